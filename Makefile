@@ -1,0 +1,30 @@
+# Two entry points (see README): `make demo` and `make test`. Both set everything up first:
+# a virtual environment at .venv (or the active one), ahakv-local in it, and the patched engine.
+
+PYTHON ?= python3
+VENV   := $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.ahakv-installed
+
+.PHONY: setup demo test bench lint
+
+$(STAMP): pyproject.toml
+	@test -n "$(VIRTUAL_ENV)" || test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+setup: $(STAMP)
+	$(VENV)/bin/ahakv-local build
+
+demo: setup
+	$(VENV)/bin/ahakv-local run
+
+test: setup
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) benchmarks/tap_overhead.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ahakv_local tests benchmarks examples

@@ -1,0 +1,280 @@
+"""A patched llama.cpp model + context for one sequence, with the attention tap and eviction.
+
+This is the bottom layer: it decodes tokens at explicit positions and exposes the per-layer
+statistics of the patched graph *by position*. Policies, the controller and the ``Llama``
+drop-in are built on top of it.
+
+Positions never move: an evicted token leaves a hole, and the next token always goes to
+``n_past`` (the newest position + 1), which llama.cpp requires.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from .errors import AhakvError
+from .native import EvictError, TapFlag, lib
+
+SEQ = 0  # one sequence per engine
+
+_GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    n_ctx: int = 4096  # KV cells (llama.cpp pads to 256)
+    n_batch: int = 512  # tokens per llama_decode call
+    n_ubatch: int = 512  # tokens per graph evaluation
+    n_threads: int | None = None  # default: every core
+    n_gpu_layers: int = 0
+    flash_attn: bool = False  # the model's softmax is only tappable with flash attention off
+    type_k: str = "f16"
+    type_v: str = "f16"
+    swa_full: bool = True  # Gemma 3: give the sliding-window cache as many cells as the full one
+    verbose: bool = False
+
+
+class LayerStat(NamedTuple):
+    """A per-layer statistic aligned with the live positions of the cache that layer reads."""
+
+    positions: np.ndarray  # int32 [n_live], ascending
+    values: np.ndarray  # float32 [n_heads, n_live]
+
+
+class Engine:
+    """Owns one llama.cpp model and context (closed by ``close()`` or ``with``)."""
+
+    def __init__(self, model_path: str | os.PathLike, config: EngineConfig = EngineConfig(), cb_eval=None):
+        path = Path(model_path)
+        if not path.is_file():
+            raise AhakvError(f"model file not found: {path}")
+        self.native = lib()  # refuses an unpatched engine before anything is loaded
+
+        import llama_cpp
+        from llama_cpp import _internals, _logger
+
+        _logger.set_verbose(config.verbose)
+        self._llama_cpp = llama_cpp
+        self.config = config
+        self.path = path
+
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = config.n_gpu_layers
+        try:
+            self._model = _internals.LlamaModel(path_model=str(path), params=mparams, verbose=config.verbose)
+        except ValueError as exc:
+            raise AhakvError(f"cannot load {path}: not a GGUF model llama.cpp can read") from exc
+
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = config.n_ctx
+        cparams.n_batch = config.n_batch
+        cparams.n_ubatch = min(config.n_ubatch, config.n_batch)
+        cparams.n_seq_max = 1
+        threads = config.n_threads or os.cpu_count() or 1
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        cparams.type_k = _GGML_TYPES[config.type_k]
+        cparams.type_v = _GGML_TYPES[config.type_v]
+        cparams.swa_full = config.swa_full
+        if cb_eval is not None:
+            self._cb_eval = cb_eval  # keep the CFUNCTYPE alive as long as the context
+            cparams.cb_eval = cb_eval
+        try:
+            self._ctx = _internals.LlamaContext(model=self._model, params=cparams, verbose=config.verbose)
+        except ValueError as exc:
+            self._model.close()
+            raise AhakvError(f"cannot create a context for {path} (n_ctx={config.n_ctx})") from exc
+        self._batch = _internals.LlamaBatch(n_tokens=config.n_batch, embd=0, n_seq_max=1, verbose=config.verbose)
+
+        m = self._model.model
+        self.n_layer = llama_cpp.llama_model_n_layer(m)
+        self.n_head = llama_cpp.llama_model_n_head(m)
+        self.n_head_kv = llama_cpp.llama_model_n_head_kv(m)
+        self.n_embd = llama_cpp.llama_model_n_embd(m)
+        self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(m)
+        self.n_swa = llama_cpp.llama_model_n_swa(m)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._model.vocab)
+        self.n_ctx = llama_cpp.llama_n_ctx(self._ctx.ctx)
+        self.head_dim = int(self.meta("attention.key_length") or self.n_embd // self.n_head)
+        self.layer_cache = [self.native.layer_cache(self.ctx, il) for il in range(self.n_layer)]
+        self.n_past = 0  # next position; every position below it was decoded (some may be evicted)
+
+    # -- resources ---------------------------------------------------------------------------------
+
+    @property
+    def ctx(self) -> int:
+        return self._ctx.ctx
+
+    def close(self) -> None:
+        for owner in ("_batch", "_ctx", "_model"):
+            obj = getattr(self, owner, None)
+            if obj is not None:
+                obj.close()
+                setattr(self, owner, None)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    # -- model metadata ----------------------------------------------------------------------------
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value; ``key`` without the architecture prefix is looked up under it."""
+        arch = self._meta_raw("general.architecture")
+        full = key if key.startswith("general.") or arch is None else f"{arch}.{key}"
+        return self._meta_raw(full)
+
+    def _meta_raw(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = self._llama_cpp.llama_model_meta_val_str(self._model.model, key.encode(), buf, len(buf))
+        return buf.value.decode() if n >= 0 else None
+
+    # -- text --------------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        return self._model.tokenize(text.encode(), add_bos, special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self._model.detokenize(list(tokens)).decode(errors="replace")
+
+    # -- decoding ----------------------------------------------------------------------------------
+
+    def decode(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Decode ``tokens`` at positions n_past, n_past+1, ...; return the last row of logits
+        ([n_vocab]) or, with ``all_logits``, one row per token ([n_tokens, n_vocab])."""
+        llama_cpp = self._llama_cpp
+        if not tokens:
+            raise ValueError("decode needs at least one token")
+        if self.n_past + len(tokens) > self.n_ctx_train:
+            end = self.n_past + len(tokens)
+            raise AhakvError(f"position {end} is past the model's trained context {self.n_ctx_train}")
+        rows = []
+        for start in range(0, len(tokens), self.config.n_batch):
+            chunk = list(tokens[start : start + self.config.n_batch])
+            self._batch.set_batch(chunk, n_past=self.n_past, logits_all=all_logits)
+            rc = llama_cpp.llama_decode(self.ctx, self._batch.batch)
+            if rc == 1:
+                raise AhakvError(f"the KV cache is full ({self.n_ctx} cells): evict or raise n_ctx")
+            if rc != 0:
+                raise AhakvError(f"llama_decode failed with code {rc}")
+            self.n_past += len(chunk)
+            n_rows = len(chunk) if all_logits else 1
+            ptr = llama_cpp.llama_get_logits(self.ctx)
+            out = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab)).copy()
+            rows.append(out)
+        logits = np.concatenate(rows)
+        return logits if all_logits else logits[-1]
+
+    # -- KV cache ----------------------------------------------------------------------------------
+
+    def n_cells(self, layer: int = 0) -> int:
+        return self.native.n_cells(self.ctx, layer)
+
+    def n_used(self, layer: int = 0) -> int:
+        """Cells in use in the cache ``layer`` reads."""
+        return self.native.n_used(self.ctx, layer)
+
+    def kv_bytes(self) -> int:
+        return int(self.native.kv_bytes(self.ctx))
+
+    def cell_positions(self, layer: int = 0) -> np.ndarray:
+        """int32 [n_cells]: the position each cell holds, -1 for an empty cell."""
+        out = np.empty(self.n_cells(layer), dtype=np.int32)
+        n = self.native.cell_pos(self.ctx, layer, SEQ, out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), out.size)
+        if n != out.size:
+            raise AhakvError(f"llama_ahakv_cell_pos failed for layer {layer}")
+        return out
+
+    def live_positions(self, layer: int = 0) -> np.ndarray:
+        pos = self.cell_positions(layer)
+        return np.sort(pos[pos >= 0])
+
+    def truncate(self, n_past: int) -> None:
+        """Forget every position >= n_past (rewind), so the next token goes to n_past."""
+        if not 0 <= n_past <= self.n_past:
+            raise ValueError(f"cannot truncate to {n_past}: {self.n_past} positions decoded")
+        self._ctx.kv_cache_seq_rm(SEQ, n_past, -1)
+        self.n_past = n_past
+
+    def evict(self, positions: Sequence[int] | np.ndarray) -> int:
+        """Remove these positions from every cache in one native call; returns how many were present."""
+        pos = np.unique(np.asarray(positions, dtype=np.int32))
+        if pos.size == 0:
+            return 0
+        rc = self.native.evict(self.ctx, SEQ, pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), pos.size)
+        if rc < 0:
+            reason = {
+                EvictError.NEWEST_POSITION: "the newest position can never be evicted",
+                EvictError.NOT_SORTED: "positions must be strictly increasing",
+                EvictError.NO_KV_CACHE: "the model has no KV cache",
+            }.get(rc, "bad argument")
+            raise AhakvError(f"eviction refused: {reason}")
+        return rc
+
+    # -- attention tap -----------------------------------------------------------------------------
+
+    def set_tap(self, flags: TapFlag, window: int = 0) -> None:
+        """Statistics to compute in-graph, over the last ``window`` query rows of each decode call (0 = all)."""
+        if (flags & TapFlag.ATTN) and self.config.flash_attn:
+            raise AhakvError("the model's softmax does not exist with flash attention on: use TapFlag.SIDE")
+        self.native.set_tap(self.ctx, int(flags), window)
+
+    def set_side_scale(self, scale: float) -> None:
+        """Logit multiplier of the side pass (1.0 reproduces the model's softmax)."""
+        self.native.set_side_scale(self.ctx, scale)
+
+    def reset_stats(self) -> None:
+        self.native.reset(self.ctx)
+
+    @property
+    def stat_rows(self) -> int:
+        """Query rows accumulated since the last reset."""
+        return int(self.native.n_rows(self.ctx))
+
+    def stat_by_cell(self, kind: str, layer: int) -> np.ndarray:
+        """float32 [n_heads, n_cells] of ``kind`` in attn, side, verr (query heads) or vnorm (KV heads)."""
+        n_heads = self.n_head_kv if kind == "vnorm" else self.n_head
+        out = np.empty((n_heads, self.n_cells(layer)), dtype=np.float32)
+        getter = getattr(self.native, "get_" + kind)
+        n = getter(self.ctx, layer, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size)
+        if n != out.size:
+            raise AhakvError(f"llama_ahakv_get_{kind} failed for layer {layer}")
+        return out
+
+    def _live_cells(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(positions ascending, the cells holding them) of the cache ``layer`` reads."""
+        cell_pos = self.cell_positions(layer)
+        cells = np.flatnonzero(cell_pos >= 0)
+        cells = cells[np.argsort(cell_pos[cells], kind="stable")]
+        return cell_pos[cells], cells
+
+    def stat(self, kind: str, layer: int) -> LayerStat:
+        """A statistic by position: the live positions of the layer's cache, ascending, and their values."""
+        positions, cells = self._live_cells(layer)
+        return LayerStat(positions, self.stat_by_cell(kind, layer)[:, cells])
+
+    def stats(self, kind: str) -> list[LayerStat]:
+        """``stat`` for every layer, reading each cache's cell map once."""
+        maps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        out = []
+        for il in range(self.n_layer):
+            cache = self.layer_cache[il]
+            if cache not in maps:
+                maps[cache] = self._live_cells(il)
+            positions, cells = maps[cache]
+            out.append(LayerStat(positions, self.stat_by_cell(kind, il)[:, cells]))
+        return out

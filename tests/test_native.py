@@ -1,0 +1,72 @@
+"""The Python side refuses an engine without the ahakv API, or with another ABI, with a clear message;
+the native eviction reports its error codes."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import llama_cpp
+import llama_cpp.llama_cpp as llama_cpp_lib
+import numpy as np
+import pytest
+
+from ahakv_local import native
+from ahakv_local.engine import Engine, EngineConfig
+from ahakv_local.errors import EngineNotPatched
+
+
+@pytest.fixture
+def fresh_binding(monkeypatch):
+    native.lib.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    native.lib.cache_clear()
+
+
+def test_library_without_the_api_is_refused(fresh_binding):
+    # a real shared library of the same build that has no llama_ahakv_* symbols
+    other = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    fresh_binding.setattr(llama_cpp_lib, "_lib", other)
+    with pytest.raises(EngineNotPatched, match=r"not patched for ahakv-local; run `ahakv-local build`"):
+        native.lib()
+
+
+def test_other_abi_version_is_refused(fresh_binding):
+    real = llama_cpp_lib._lib
+
+    class OtherAbi:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def llama_ahakv_abi_version():
+            return native.ABI_VERSION + 1
+
+    fresh_binding.setattr(llama_cpp_lib, "_lib", OtherAbi())
+    with pytest.raises(EngineNotPatched, match=f"ABI {native.ABI_VERSION + 1}.*needs {native.ABI_VERSION}"):
+        native.lib()
+
+
+def test_the_patched_engine_is_accepted():
+    native.lib.cache_clear()
+    assert native.lib().abi_version() == native.ABI_VERSION
+
+
+def test_native_evict_error_codes(fixture_model):
+    lib = native.lib()
+    with Engine(fixture_model, EngineConfig(n_ctx=256)) as e:
+        e.decode(list(range(3, 40)))
+
+        def evict(positions, seq=0):
+            arr = np.asarray(positions, dtype=np.int32)
+            return lib.evict(e.ctx, seq, arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), arr.size)
+
+        assert evict([5, 4]) == native.EvictError.NOT_SORTED
+        assert evict([5, 5]) == native.EvictError.NOT_SORTED
+        assert evict([2, e.n_past - 1]) == native.EvictError.NEWEST_POSITION
+        assert evict([2], seq=7) == native.EvictError.BAD_ARGUMENT
+        assert e.n_used() == 37  # every refusal removed nothing
+        assert evict([2, 3]) == 2
+        assert evict([2, 3, 4]) == 1  # positions no longer there are skipped
+        assert e.n_used() == 34

@@ -1,0 +1,161 @@
+"""The native tap on the tiny GQA llama fixture, against an independent numpy forward pass."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ahakv_local.engine import Engine, EngineConfig
+from ahakv_local.native import TapFlag
+
+from capture import Capture
+from reference import LlamaReference, reconstruction_term, window_column_sums
+
+ALL = TapFlag.VNORM | TapFlag.ATTN | TapFlag.SIDE | TapFlag.VERR
+# The graph takes ||v - o|| from ||v||^2 - 2 v.o + ||o||^2 in F32: where o ~ v (a query locked on one
+# cell) the difference carries ~sqrt(1e-7)*||v|| of rounding, so 1e-3 of the largest sum, not 1e-4.
+VERR_RTOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def ref(fixture_model):
+    return LlamaReference(fixture_model)
+
+
+def make_engine(path, cb_eval=None, **kw) -> Engine:
+    # F32 cache: llama.cpp then computes in F32 like the reference, so 1e-4 is a real bound
+    config = EngineConfig(n_ctx=512, n_batch=256, n_ubatch=16, type_k="f32", type_v="f32", **kw)
+    return Engine(path, config, cb_eval=cb_eval)
+
+
+def tokens_of(engine: Engine, text: str, n: int) -> list[int]:
+    toks = engine.tokenize(text)
+    assert len(toks) >= n
+    return toks[:n]
+
+
+def assert_close(actual, expected, rtol=1e-4, what=""):
+    # relative to the largest entry: column sums range over orders of magnitude
+    scale = max(np.abs(expected).max(), 1e-12)
+    err = np.abs(actual - expected).max() / scale
+    assert err < rtol, f"{what}: max relative error {err:.2e} >= {rtol:.0e}"
+
+
+def test_reference_matches_llama_cpp_logits(fixture_model, ref, license_text):
+    with make_engine(fixture_model) as e:
+        toks = tokens_of(e, license_text, 40)
+        logits = e.decode(toks, all_logits=True)
+    ref_logits, _ = ref.forward(toks)
+    assert_close(logits, ref_logits, 1e-4, "logits")
+
+
+@pytest.mark.parametrize("window", [0, 23])
+def test_prompt_tap_over_several_ubatches(fixture_model, ref, license_text, window):
+    n = 70  # > 4 ubatches of 16; a window of 23 spans two of them
+    with make_engine(fixture_model) as e:
+        toks = tokens_of(e, license_text, n)
+        e.set_tap(ALL, window)
+        e.decode(toks)
+        assert e.stat_rows == (window or n)
+        _, traces = ref.forward(toks)
+        rows = slice(n - (window or n), n)
+        r = e.n_head // e.n_head_kv
+        for il, tr in enumerate(traces):
+            attn = e.stat("attn", il)
+            np.testing.assert_array_equal(attn.positions, np.arange(n))
+            expected = window_column_sums(tr.p, rows)
+            assert_close(attn.values, expected, 1e-4, f"attn layer {il}")
+            assert_close(e.stat("side", il).values, expected, 1e-4, f"side(1) layer {il}")
+            assert_close(e.stat("vnorm", il).values, np.linalg.norm(tr.v, axis=-1).T, 1e-5, f"vnorm {il}")
+            verr = reconstruction_term(tr.p, tr.v, tr.o, rows, r)
+            assert_close(e.stat("verr", il).values, verr, VERR_RTOL, f"verr layer {il}")
+
+
+def test_decode_tap_single_token(fixture_model, ref, license_text):
+    with make_engine(fixture_model) as e:
+        toks = tokens_of(e, license_text, 45)
+        e.set_tap(ALL, 1)
+        e.decode(toks[:40])
+        for t in range(40, 45):
+            e.reset_stats()
+            e.decode([toks[t]])
+            assert e.stat_rows == 1
+        _, traces = ref.forward(toks)
+        for il, tr in enumerate(traces):
+            attn = e.stat("attn", il)
+            assert_close(attn.values, tr.p[:, 44, :], 1e-4, f"decode attn layer {il}")
+            assert np.allclose(attn.values.sum(axis=1), 1.0, atol=1e-5)
+            verr = reconstruction_term(tr.p, tr.v, tr.o, slice(44, 45), e.n_head // e.n_head_kv)
+            assert_close(e.stat("verr", il).values, verr, VERR_RTOL, f"decode verr layer {il}")
+
+
+@pytest.mark.parametrize("flash_attn", [False, True])
+def test_side_pass_scale(fixture_model, license_text, flash_attn):
+    """softmax(s * logits) from the model's own Q and K (read through cb_eval); s is a graph input,
+    so it changes between decodes without a rebuild. With flash attention on, the side pass is the
+    only source of probabilities; its Q/K differ from the F32 reference forward by FA's rounding, so
+    the reference here is recomputed from the Q and K this very run produced."""
+    cap = Capture(("Qcur-", "Kcur-"), ops={"Qcur-": ("ROPE",), "Kcur-": ("ROPE",)})
+    with make_engine(fixture_model, flash_attn=flash_attn, cb_eval=cap.callback) as e:
+        toks = tokens_of(e, license_text, 45)
+        e.set_tap(TapFlag.SIDE, 8)
+        e.decode(toks[:42])
+        r = e.n_head // e.n_head_kv
+        for step, scale in enumerate([1.0, 2.5, 0.5]):
+            e.set_side_scale(scale)
+            e.reset_stats()
+            t = 42 + step
+            e.decode([toks[t]])
+            for il in range(e.n_layer):
+                q, k = cap.tokens(f"Qcur-{il}"), cap.tokens(f"Kcur-{il}")
+                assert q.shape[0] == k.shape[0] == t + 1
+                logits = np.einsum("hd,jhd->hj", q[t].astype(np.float64), np.repeat(k, r, axis=1))
+                logits = scale * logits / np.sqrt(e.head_dim)
+                p = np.exp(logits - logits.max(axis=1, keepdims=True))
+                p /= p.sum(axis=1, keepdims=True)
+                assert_close(e.stat("side", il).values, p, 1e-4, f"side scale {scale} layer {il}")
+
+
+def test_eviction_zero_attention_and_cell_map(fixture_model, ref, license_text):
+    rng = np.random.default_rng(0)
+    with make_engine(fixture_model) as e:
+        toks = tokens_of(e, license_text, 120)
+        e.set_tap(TapFlag.ATTN, 1)
+        e.decode(toks[:100])
+        evicted = np.sort(rng.choice(np.arange(1, 99), size=30, replace=False))
+        assert e.evict(evicted) == 30
+        live = np.setdiff1d(np.arange(100), evicted)
+        for il in range(e.n_layer):
+            np.testing.assert_array_equal(e.live_positions(il), live)
+        assert e.n_used() == live.size
+
+        e.reset_stats()
+        e.decode([toks[100]])
+        live = np.append(live, 100)
+        for il in range(e.n_layer):
+            cell_pos = e.cell_positions(il)
+            by_cell = e.stat_by_cell("attn", il)
+            assert np.all(by_cell[:, cell_pos < 0] == 0.0), "an evicted or empty cell got attention"
+            np.testing.assert_array_equal(e.stat("attn", il).positions, live)
+        assert e.n_used() == live.size
+
+        # the new token's attention equals the reference with the evicted positions masked for that row
+        visible = np.tril(np.ones((101, 101), dtype=bool))
+        visible[100, evicted] = False
+        _, traces = ref.forward(toks[:101], visible=visible)
+        for il, tr in enumerate(traces):
+            assert_close(e.stat("attn", il).values, tr.p[:, 100, live], 1e-4, f"post-eviction layer {il}")
+
+        # decoding goes on, and the freed cells are reused
+        e.decode(toks[101:120])
+        assert e.n_used() == live.size + 19
+
+
+def test_newest_position_is_never_evicted(fixture_model, license_text):
+    from ahakv_local.errors import AhakvError
+
+    with make_engine(fixture_model) as e:
+        e.decode(tokens_of(e, license_text, 10))
+        with pytest.raises(AhakvError, match="newest"):
+            e.evict([3, 9])
+        assert e.n_used() == 10  # refused as a whole: nothing was removed

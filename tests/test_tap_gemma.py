@@ -1,0 +1,148 @@
+"""The native tap on Gemma 3 270M Q4_K_M (two caches: SWA and full; MQA, one KV head).
+
+The second code path is llama.cpp's own graph read through cb_eval (tests/capture.py): the
+model's softmax ``kq_soft_max-<il>``, its head outputs ``kqv-<il>``, and ``Qcur``/``Kcur``/``Vcur``
+from which numpy recomputes what the flash-attention path never materializes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ahakv_local.engine import Engine, EngineConfig
+from ahakv_local.native import TapFlag
+
+from capture import Capture
+
+N_UBATCH = 128
+PROMPT = 300  # three ubatches: 128 + 128 + 44
+ALL = TapFlag.VNORM | TapFlag.ATTN | TapFlag.SIDE | TapFlag.VERR
+# llama.cpp names several nodes Qcur-<il> (before and after RoPE): keep the ones written to the cache
+QKV_OPS = {"Qcur-": ("ROPE",), "Kcur-": ("ROPE",), "Vcur-": ("RESHAPE",)}
+
+
+def assert_close(actual, expected, rtol, what):
+    scale = max(np.abs(expected).max(), 1e-12)
+    err = np.abs(actual - expected).max() / scale
+    assert err < rtol, f"{what}: max relative error {err:.2e} >= {rtol:.0e}"
+
+
+def make_engine(path, cap: Capture, flash_attn=False) -> Engine:
+    config = EngineConfig(n_ctx=1024, n_batch=512, n_ubatch=N_UBATCH, flash_attn=flash_attn)
+    return Engine(path, config, cb_eval=cap.callback)
+
+
+def softmax_column_sums(cap: Capture, il: int, first_row: int, n_pos: int) -> np.ndarray:
+    """Sum of the captured kq_soft_max rows at batch index >= first_row, by cell (= position in a
+    fresh cache): [n_head, n_pos]."""
+    total, row0 = 0.0, 0
+    for p in cap.tensors[f"kq_soft_max-{il}"]:
+        p = p[0]  # [n_head, n_tokens, n_kv]: n_kv grows (256, 512, ...) as the cache fills
+        rows = np.arange(row0, row0 + p.shape[1])
+        part = np.zeros((p.shape[0], n_pos))
+        n = min(n_pos, p.shape[2])
+        part[:, :n] = p[:, rows >= first_row, :n].sum(axis=1)
+        total = total + part
+        row0 += p.shape[1]
+    return total
+
+
+@pytest.fixture(scope="module")
+def prompt_tokens(gemma_model, license_text):
+    cap = Capture(())
+    with make_engine(gemma_model, cap) as e:
+        toks = e.tokenize(license_text)
+    assert len(toks) > PROMPT + 10
+    return toks
+
+
+@pytest.mark.parametrize("window", [0, 150])
+def test_prompt_tap_equals_model_softmax(gemma_model, prompt_tokens, window):
+    cap = Capture(("kq_soft_max-", "Vcur-"), ops=QKV_OPS)
+    with make_engine(gemma_model, cap) as e:
+        e.set_tap(ALL, window)
+        e.decode(prompt_tokens[:PROMPT])
+        assert e.stat_rows == (window or PROMPT)
+        first = PROMPT - (window or PROMPT)
+        for il in range(e.n_layer):
+            expected = softmax_column_sums(cap, il, first, PROMPT)
+            attn = e.stat("attn", il)
+            np.testing.assert_array_equal(attn.positions, np.arange(PROMPT))
+            assert_close(attn.values, expected, 1e-4, f"attn layer {il}")
+            assert_close(e.stat("side", il).values, expected, 1e-4, f"side at scale 1, layer {il}")
+            # ||v|| of the values as the F16 cache holds them
+            v16 = cap.tokens(f"Vcur-{il}").astype(np.float16).astype(np.float64)  # [T, n_head_kv, hd]
+            assert_close(e.stat("vnorm", il).values, np.linalg.norm(v16, axis=-1).T, 1e-5, f"vnorm {il}")
+
+
+def test_decode_tap_and_reconstruction_term(gemma_model, prompt_tokens):
+    cap = Capture(("kq_soft_max-", "kqv-", "Vcur-"), ops=QKV_OPS)
+    with make_engine(gemma_model, cap) as e:
+        e.set_tap(ALL, 1)
+        e.decode(prompt_tokens[:PROMPT])
+        for t in range(PROMPT, PROMPT + 3):
+            e.reset_stats()
+            e.decode([prompt_tokens[t]])
+        n = PROMPT + 3
+        r = e.n_head // e.n_head_kv
+        for il in range(e.n_layer):
+            p = cap.tensors[f"kq_soft_max-{il}"][-1][0, :, 0, :n]  # [n_head, n]: the last query row
+            assert_close(e.stat("attn", il).values, p, 1e-4, f"decode attn layer {il}")
+            # a * ||v - o|| from the cache's F16 values of v and the model's own head outputs o
+            o = cap.tensors[f"kqv-{il}"][-1][0, :, 0, :].astype(np.float64)  # [n_head, hd]
+            v = cap.tokens(f"Vcur-{il}").astype(np.float16).astype(np.float64)  # [n, n_head_kv, hd]
+            assert v.shape[0] == n
+            dist = np.linalg.norm(np.repeat(v, r, axis=1) - o[None], axis=-1).T  # [n_head, n]
+            # 1e-3: see VERR_RTOL in test_tap_fixture.py (F32 norm expansion where o ~ v)
+            assert_close(e.stat("verr", il).values, p * dist, 1e-3, f"verr layer {il}")
+
+
+@pytest.mark.parametrize("flash_attn", [False, True])
+def test_side_pass_from_q_and_k(gemma_model, prompt_tokens, flash_attn):
+    """Recompute softmax(s * q.k) in numpy from the run's own Q and K, rounded to F16 like ggml's
+    mul_mat does against the F16 K cache. With flash attention on this is the only reference."""
+    cap = Capture(("Qcur-", "Kcur-"), ops=QKV_OPS)
+    with make_engine(gemma_model, cap, flash_attn=flash_attn) as e:
+        e.set_tap(TapFlag.SIDE, 4)
+        e.decode(prompt_tokens[:PROMPT])
+        q_scale = 1.0 / np.sqrt(e.head_dim)  # Gemma 3 pre-scales Q by 1/sqrt(256)
+        for step, scale in enumerate([1.0, 1.7]):
+            e.set_side_scale(scale)
+            e.reset_stats()
+            e.decode([prompt_tokens[PROMPT + step]])
+            n = PROMPT + step + 1
+            for il in range(e.n_layer):
+                q = cap.tokens(f"Qcur-{il}")  # the window is this decode's single row
+                k = cap.tokens(f"Kcur-{il}")
+                assert k.shape[0] == n
+                qs = (q[-1:] * np.float32(q_scale)).astype(np.float16).astype(np.float64)  # [1, n_head, hd]
+                kk = k.astype(np.float16).astype(np.float64)[:, 0, :]  # one KV head
+                logits = scale * np.einsum("thd,jd->htj", qs, kk)[:, 0, :]
+                prob = np.exp(logits - logits.max(axis=1, keepdims=True))
+                prob /= prob.sum(axis=1, keepdims=True)
+                assert_close(e.stat("side", il).values, prob, 1e-4, f"side s={scale} fa={flash_attn} layer {il}")
+
+
+def test_eviction_on_both_caches(gemma_model, prompt_tokens):
+    rng = np.random.default_rng(1)
+    cap = Capture(())
+    with make_engine(gemma_model, cap) as e:
+        assert set(e.layer_cache) == {0, 1}  # Gemma 3: full and sliding-window layers
+        e.set_tap(TapFlag.ATTN, 1)
+        e.decode(prompt_tokens[:200])
+        evicted = np.sort(rng.choice(np.arange(1, 199), size=60, replace=False))
+        assert e.evict(evicted) == 60
+        e.reset_stats()
+        e.decode([prompt_tokens[200]])
+        live = np.append(np.setdiff1d(np.arange(200), evicted), 200)
+        for il in range(e.n_layer):
+            cell_pos = e.cell_positions(il)
+            np.testing.assert_array_equal(np.sort(cell_pos[cell_pos >= 0]), live)
+            by_cell = e.stat_by_cell("attn", il)
+            assert np.all(by_cell[:, cell_pos < 0] == 0.0)
+            assert np.allclose(by_cell.sum(axis=1), 1.0, atol=1e-5)
+        for layer in (0, 5):  # one SWA layer, one full layer
+            assert e.n_used(layer) == live.size
+        e.decode(prompt_tokens[201:220])
+        assert e.n_used(5) == live.size + 19
