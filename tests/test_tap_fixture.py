@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.native import TapFlag
@@ -159,3 +161,31 @@ def test_newest_position_is_never_evicted(fixture_model, license_text):
         with pytest.raises(AhakvError, match="newest"):
             e.evict([3, 9])
         assert e.n_used() == 10  # refused as a whole: nothing was removed
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_any_eviction_sequence_keeps_cells_and_attention_consistent(fixture_model, license_text, data):
+    """Random rounds of decode + evict: the cell maps always equal the expected live set, evicted cells get
+    exactly zero attention, and the used-cell count equals the live count."""
+    with make_engine(fixture_model) as e:
+        toks = tokens_of(e, license_text, 200)
+        e.set_tap(TapFlag.ATTN, 1)
+        live = np.array([], dtype=np.int64)
+        for _ in range(data.draw(st.integers(1, 4), label="rounds")):
+            n = data.draw(st.integers(1, 30), label="tokens")
+            start = e.n_past
+            e.reset_stats()
+            e.decode(toks[start : start + n])
+            live = np.append(live, np.arange(start, start + n))
+            for layer in e.stats("attn"):
+                np.testing.assert_array_equal(layer.positions, live)
+            by_cell = e.stat_by_cell("attn", 0)
+            assert np.all(by_cell[:, e.cell_positions(0) < 0] == 0.0)
+            candidates = live[:-1]  # never the newest
+            if candidates.size:
+                victims = data.draw(st.lists(st.sampled_from(candidates.tolist()), unique=True, max_size=20))
+                assert e.evict(victims) == len(victims)
+                live = np.setdiff1d(live, victims)
+            assert e.n_used() == live.size
+            np.testing.assert_array_equal(e.live_positions(), live)
