@@ -106,6 +106,9 @@ class Engine:
         self.n_ctx = llama_cpp.llama_n_ctx(self._ctx.ctx)
         self.head_dim = int(self.meta("attention.key_length") or self.n_embd // self.n_head)
         self.layer_cache = [self.native.layer_cache(self.ctx, il) for il in range(self.n_layer)]
+        # a layer of the base cache: it holds every live position (a sliding-window cache may drop
+        # positions that fell out of its window)
+        self.base_layer = self.layer_cache.index(0) if 0 in self.layer_cache else 0
         self.n_past = 0  # next position; every position below it was decoded (some may be evicted)
 
     # -- resources ---------------------------------------------------------------------------------
@@ -181,25 +184,26 @@ class Engine:
 
     # -- KV cache ----------------------------------------------------------------------------------
 
-    def n_cells(self, layer: int = 0) -> int:
-        return self.native.n_cells(self.ctx, layer)
+    def n_cells(self, layer: int | None = None) -> int:
+        return self.native.n_cells(self.ctx, self.base_layer if layer is None else layer)
 
-    def n_used(self, layer: int = 0) -> int:
-        """Cells in use in the cache ``layer`` reads."""
-        return self.native.n_used(self.ctx, layer)
+    def n_used(self, layer: int | None = None) -> int:
+        """Cells in use in the cache ``layer`` reads (default: the base cache)."""
+        return self.native.n_used(self.ctx, self.base_layer if layer is None else layer)
 
     def kv_bytes(self) -> int:
         return int(self.native.kv_bytes(self.ctx))
 
-    def cell_positions(self, layer: int = 0) -> np.ndarray:
-        """int32 [n_cells]: the position each cell holds, -1 for an empty cell."""
+    def cell_positions(self, layer: int | None = None) -> np.ndarray:
+        """int32 [n_cells]: the position each cell holds, -1 for an empty cell (default: base cache)."""
+        layer = self.base_layer if layer is None else layer
         out = np.empty(self.n_cells(layer), dtype=np.int32)
         n = self.native.cell_pos(self.ctx, layer, SEQ, out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), out.size)
         if n != out.size:
             raise AhakvError(f"llama_ahakv_cell_pos failed for layer {layer}")
         return out
 
-    def live_positions(self, layer: int = 0) -> np.ndarray:
+    def live_positions(self, layer: int | None = None) -> np.ndarray:
         pos = self.cell_positions(layer)
         return np.sort(pos[pos >= 0])
 

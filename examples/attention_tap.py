@@ -1,6 +1,6 @@
 """Read per-position attention from every layer of Gemma 3 270M, then evict the least attended tokens.
 
-    python examples/attention_tap.py
+python examples/attention_tap.py
 """
 
 from pathlib import Path

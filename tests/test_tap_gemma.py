@@ -76,15 +76,16 @@ def test_prompt_tap_equals_model_softmax(gemma_model, prompt_tokens, window):
             assert_close(e.stat("vnorm", il).values, np.linalg.norm(v16, axis=-1).T, 1e-5, f"vnorm {il}")
 
 
-def test_decode_tap_and_reconstruction_term(gemma_model, prompt_tokens):
+@pytest.mark.parametrize("prompt", [100, PROMPT])  # 100: the KV window (256 cells) equals the head size
+def test_decode_tap_and_reconstruction_term(gemma_model, prompt_tokens, prompt):
     cap = Capture(("kq_soft_max-", "kqv-", "Vcur-"), ops=QKV_OPS)
     with make_engine(gemma_model, cap) as e:
         e.set_tap(ALL, 1)
-        e.decode(prompt_tokens[:PROMPT])
-        for t in range(PROMPT, PROMPT + 3):
+        e.decode(prompt_tokens[:prompt])
+        for t in range(prompt, prompt + 3):
             e.reset_stats()
             e.decode([prompt_tokens[t]])
-        n = PROMPT + 3
+        n = prompt + 3
         r = e.n_head // e.n_head_kv
         for il in range(e.n_layer):
             p = cap.tensors[f"kq_soft_max-{il}"][-1][0, :, 0, :n]  # [n_head, n]: the last query row

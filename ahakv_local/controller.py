@@ -1,0 +1,263 @@
+"""Keeps one sequence's KV cache inside its budget.
+
+After every decode call the controller reads the tapped statistics (one native reset + read per
+layer), hands them to the policy, and - every ``evict_every`` steps, or after each prefill chunk -
+evicts the lowest-scored positions outside the protected ones in one native call:
+
+    protected = the first n_sink positions (attention sinks) + the last n_recent live positions
+              + the pinned span (a system prompt) + the newest position (llama.cpp needs it)
+
+Bookkeeping is by position (``live``, ascending); it always equals the engine's cell map.
+A long prompt is decoded in chunks of n_ubatch and compressed after each, so it never needs more
+than budget + one chunk of cells.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from .engine import Engine
+from .errors import AhakvError
+from .native import TapFlag
+from .policies import Observation, Policy
+from .policies.full import Full
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How many cells to keep: a fixed count, a fraction of the tokens seen, or ``auto``."""
+
+    mode: Literal["cells", "ratio", "auto"]
+    value: float = 0.0
+    min_ratio: float = 0.10  # auto: never keep less than this fraction of the tokens seen
+    max_ratio: float = 0.40  # auto: never keep more
+    error_tol: float = 0.05  # auto: evict while the predicted relative output change stays below this
+
+    @classmethod
+    def parse(cls, text: str | int | float, **kw) -> Budget:
+        """'128' -> 128 cells, '0.25' or '25%' -> a quarter of the tokens seen, 'auto' -> error-driven."""
+        s = str(text).strip().lower()
+        if s == "auto":
+            return cls("auto", **kw)
+        if m := re.fullmatch(r"(\d+(?:\.\d+)?)%", s):
+            return cls("ratio", float(m.group(1)) / 100, **kw)
+        try:
+            v = float(s)
+        except ValueError:
+            raise AhakvError(f"budget must be a cell count, a ratio (0.25 or 25%) or 'auto', not {text!r}") from None
+        if v >= 1 and v == int(v):
+            return cls("cells", int(v), **kw)
+        if 0 < v < 1:
+            return cls("ratio", v, **kw)
+        raise AhakvError(f"budget must be a positive cell count or a ratio in (0, 1), not {text!r}")
+
+    def target(self, n_seen: int) -> int | None:
+        if self.mode == "cells":
+            return int(self.value)
+        if self.mode == "ratio":
+            return max(1, math.ceil(self.value * n_seen))
+        return None  # auto: decided by the error model
+
+    def __str__(self) -> str:
+        return {"cells": f"{int(self.value)} cells", "ratio": f"{self.value:.0%}"}.get(self.mode, "auto")
+
+
+@dataclass
+class ControllerConfig:
+    budget: Budget
+    n_sink: int = 4
+    n_recent: int = 32
+    evict_every: int = 1  # decode steps between evictions (the cache may exceed the budget by this)
+    pinned: tuple[int, int] | None = None  # [start, end) positions never evicted (a system prompt)
+    track_mass: bool = True  # tap the model's softmax for the retained-mass statistic
+
+
+@dataclass
+class ControllerStats:
+    cells_used: int = 0
+    budget: int | None = None  # the current target in cells (auto: the last decision)
+    tokens_seen: int = 0
+    evicted: int = 0
+    evictions: int = 0  # native eviction calls
+    retained_mass: list[float] = field(default_factory=list)  # per layer, at the last eviction
+
+    @property
+    def retention(self) -> float:
+        return self.cells_used / self.tokens_seen if self.tokens_seen else 1.0
+
+
+class KVController:
+    """Drives an Engine for one sequence, evicting with ``policy`` to hold ``config.budget``."""
+
+    def __init__(self, engine: Engine, policy: Policy, config: ControllerConfig):
+        self.engine, self.policy, self.config = engine, policy, config
+        b = config.budget
+        floor = config.n_sink + config.n_recent + 1
+        if b.mode == "cells" and b.value < floor:
+            parts = f"{config.n_sink} + {config.n_recent} + 1"
+            raise AhakvError(f"budget {int(b.value)} is smaller than sinks + recent + newest ({parts})")
+        if b.mode == "auto" and not hasattr(policy, "predicted_error"):
+            raise AhakvError(f"an auto budget needs a policy with an error model (ahakv), not {policy.name}")
+        holds = engine.n_ctx >= b.value + engine.config.n_ubatch + config.evict_every
+        if b.mode == "cells" and not holds and not isinstance(policy, Full):
+            raise AhakvError(
+                f"n_ctx {engine.n_ctx} cannot hold budget {int(b.value)} + one chunk of {engine.config.n_ubatch}"
+            )
+        if engine.config.flash_attn and self._flags(0) & TapFlag.ATTN:
+            raise AhakvError(f"policy {policy.name} reads the model's softmax: turn flash attention off")
+        self.live = engine.live_positions().astype(np.int64)
+        self.stats = ControllerStats(cells_used=self.live.size, tokens_seen=engine.n_past)
+        self.step_count = 0
+        self._tap: tuple[TapFlag, int] | None = None
+        self._obs: Observation | None = None
+        self._cache_layers = {c: engine.layer_cache.index(c) for c in sorted(set(engine.layer_cache)) if c >= 0}
+
+    # -- decoding ------------------------------------------------------------------------------------
+
+    def prefill(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
+        """Decode a prompt in chunks of n_ubatch, compressing after each chunk; return the logits of the
+        last token, or of every token with ``all_logits``."""
+        chunk = self.engine.config.n_ubatch
+        rows = []
+        for i in range(0, len(tokens), chunk):
+            rows.append(self._decode(tokens[i : i + chunk], self.policy.window, all_logits))
+            self.evict()
+        return np.concatenate(rows) if all_logits else rows[-1]
+
+    def step(self, token: int) -> np.ndarray:
+        """Decode one generated token; evict every ``evict_every`` steps."""
+        logits = self._decode([token], 1, False)
+        self.step_count += 1
+        if self.step_count % self.config.evict_every == 0:
+            self.evict()
+        return logits
+
+    def _flags(self, step: int) -> TapFlag:
+        flags = self.policy.tap_flags(step)
+        if self.config.track_mass and not isinstance(self.policy, Full):
+            flags |= TapFlag.ATTN
+        return flags
+
+    def _decode(self, tokens: list[int], window: int, all_logits: bool) -> np.ndarray:
+        e = self.engine
+        flags = self._flags(self.step_count)
+        if self._tap != (flags, window):
+            e.set_tap(flags, window)
+            self._tap = (flags, window)
+        if flags & TapFlag.SIDE:
+            target = self.config.budget.target(e.n_past + len(tokens)) or self.stats.budget or len(tokens)
+            e.set_side_scale(self.policy.side_scale(e.n_past + len(tokens), target))
+        e.reset_stats()
+        start = e.n_past
+        logits = e.decode(tokens, all_logits)
+        self.live = np.concatenate([self.live, np.arange(start, e.n_past, dtype=np.int64)])
+        self._obs = self._observe(flags)
+        if flags:
+            self.policy.observe(self._obs)
+        self.stats.tokens_seen = e.n_past
+        self.stats.cells_used = self.live.size
+        return logits
+
+    def _observe(self, flags: TapFlag) -> Observation:
+        """The tapped statistics of every layer, aligned with ``live``."""
+        e = self.engine
+        n, n_layer = self.live.size, e.n_layer
+        newest = e.n_past - 1
+        visible = np.zeros((n_layer, n), dtype=bool)
+        where = {}
+        for cache, layer in self._cache_layers.items():
+            positions, cells = e._live_cells(layer)
+            idx = np.searchsorted(self.live, positions)
+            seen = np.ones(positions.size, dtype=bool)
+            if cache == 1 and e.n_swa > 0:  # a sliding-window layer sees only the last n_swa positions
+                seen = newest - positions < e.n_swa
+            where[cache] = (idx[seen], cells[seen])
+        for il, cache in enumerate(e.layer_cache):
+            if cache >= 0:
+                visible[il, where[cache][0]] = True
+
+        def gather(kind: str, n_heads: int) -> np.ndarray:
+            out = np.zeros((n_layer, n_heads, n), dtype=np.float32)
+            for il, cache in enumerate(e.layer_cache):
+                if cache >= 0:
+                    idx, cells = where[cache]
+                    out[il][:, idx] = e.stat_by_cell(kind, il)[:, cells]
+            return out
+
+        target = self.config.budget.target(e.n_past)
+        obs = Observation(
+            positions=self.live,
+            n_seen=e.n_past,
+            n_rows=e.stat_rows,
+            budget=target if target is not None else (self.stats.budget or n),
+            visible=visible,
+        )
+        if flags & TapFlag.ATTN:
+            obs.attn = gather("attn", e.n_head)
+        if flags & TapFlag.SIDE:
+            obs.side = gather("side", e.n_head)
+        if flags & TapFlag.VERR:
+            obs.verr = gather("verr", e.n_head)
+        if flags & (TapFlag.VNORM | TapFlag.VERR):
+            obs.vnorm = gather("vnorm", e.n_head_kv)
+        return obs
+
+    # -- eviction ------------------------------------------------------------------------------------
+
+    def protected(self) -> np.ndarray:
+        """bool [n]: positions the controller never evicts."""
+        pos, cfg = self.live, self.config
+        keep = pos < cfg.n_sink
+        keep[max(0, pos.size - cfg.n_recent) :] = True
+        if pos.size:
+            keep[-1] = True  # the newest position: the next batch starts after it
+        if cfg.pinned is not None:
+            keep |= (pos >= cfg.pinned[0]) & (pos < cfg.pinned[1])
+        return keep
+
+    def evict(self) -> int:
+        """Evict down to the budget now; returns how many positions went."""
+        if isinstance(self.policy, Full) or self._obs is None:
+            return 0
+        obs, budget = self._obs, self.config.budget
+        n = self.live.size
+        candidates = np.flatnonzero(~self.protected())
+        scores = self.policy.score(obs)[candidates]
+        order = candidates[np.lexsort((self.live[candidates], scores))]  # lowest score first, then oldest
+        if budget.mode == "auto":
+            k = self._auto_count(obs, order)
+            self.stats.budget = n - k
+        else:
+            self.stats.budget = budget.target(obs.n_seen)
+            k = min(max(0, n - self.stats.budget), order.size)
+        if k == 0:
+            return 0
+        victims = np.sort(order[:k])
+        if obs.attn is not None:
+            kept = np.ones(n, dtype=bool)
+            kept[victims] = False
+            total = np.maximum(obs.attn.sum(axis=2), 1e-12)
+            self.stats.retained_mass = (obs.attn[:, :, kept].sum(axis=2) / total).mean(axis=1).tolist()
+        self.engine.evict(self.live[victims])
+        self.live = np.delete(self.live, victims)
+        self.stats.evicted += k
+        self.stats.evictions += 1
+        self.stats.cells_used = self.live.size
+        return k
+
+    def _auto_count(self, obs: Observation, order: np.ndarray) -> int:
+        """Auto budget: evict the most low-scored tokens whose predicted relative output change stays
+        under the tolerance, keeping between min_ratio and max_ratio of the tokens seen."""
+        b, n = self.config.budget, self.live.size
+        k_max = min(order.size, max(0, n - math.ceil(b.min_ratio * obs.n_seen)))
+        k_min = min(k_max, max(0, n - math.floor(b.max_ratio * obs.n_seen)))
+        if k_max == 0:
+            return 0
+        errors = self.policy.predicted_error(obs, order[:k_max])
+        k = int(np.searchsorted(errors, b.error_tol, side="right"))  # errors grow with k
+        return max(k_min, min(k, k_max))

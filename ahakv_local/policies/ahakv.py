@@ -1,0 +1,142 @@
+"""AhaKV: adaptive holistic attention-guided eviction, with a reconstruction-error model.
+
+Four parts, each switchable for ablations:
+
+(a) the paper's unbiased score (Gu et al., arXiv 2506.03762): attention summed over the last
+    ``r`` queries only (recent accumulation: every older token is judged on the same number of
+    terms, which removes H2O's bias toward early tokens), taken from a side-pass softmax sharpened by
+    lambda(n) = sqrt(2 ln(n/k) / d) (SG-softmax; n tokens seen, k the budget), times a value prior
+    gamma = avgpool(||v||^2) / max;
+(b) holistic aggregation over all layers and heads with adaptive weights w(h, l): a head's weight
+    is its focus, 1 - H(a)/log(n) (H the entropy of its attention over the tokens it can see),
+    smoothed over steps and normalized to mean 1. A focused head moves its output a lot when one of
+    its few tokens goes; a near-uniform head barely notices any single token;
+(c) the reconstruction-error model: removing token j alone changes a head's output by exactly
+    a_j / (1 - a_j) * ||v_j - o||. With it on, each step adds the sharpened attention times the
+    head-relative distance ||v_j - o|| / ||o|| instead of the value prior, so tokens whose value
+    differs from what the head outputs anyway count for more;
+(d) the auto budget: ``predicted_error`` bounds the relative output change of evicting the k
+    lowest-scored tokens, sum_j a_j ||v_j - o|| / ((1 - sum_j a_j) ||o||), averaged over heads with
+    the weights of (b); the controller evicts as many as keep it under a tolerance.
+
+||o|| is estimated from the tap as sum_j a_j ||v_j|| (an upper bound by the triangle inequality).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..native import TapFlag
+from .base import Observation, Policy, RecentSum, holistic_sum, kv_to_query_heads
+from .snapkv import avg_pool
+
+
+@dataclass
+class AhaKV(Policy):
+    name = "ahakv"
+    window = 32  # prefill: the last r rows of each chunk
+
+    r: int = 32  # recent accumulation window (queries)
+    sg_softmax: bool = True  # (a) sharpen the scoring softmax by lambda(n)
+    value_prior: bool = True  # (a) multiply by avgpool(||v||^2) / max
+    vpe_kernel: int = 5
+    holistic_weights: bool = True  # (b) adaptive w(h, l); off: uniform
+    error_model: bool = True  # (c) relative distance ||v - o|| / ||o|| instead of the value prior
+    weight_smoothing: float = 0.9
+
+    ring: RecentSum = field(init=False)
+    weights: np.ndarray | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.ring = RecentSum(self.r)
+
+    def tap_flags(self, step: int) -> TapFlag:
+        flags = TapFlag.ATTN
+        if self.sg_softmax:
+            flags |= TapFlag.SIDE
+        if self.value_prior:
+            flags |= TapFlag.VNORM
+        if self.error_model:
+            flags |= TapFlag.VERR | TapFlag.VNORM
+        return flags
+
+    @property
+    def needs(self) -> TapFlag:  # type: ignore[override]
+        return self.tap_flags(0)
+
+    def side_scale(self, n_seen: int, budget: int) -> float:
+        # lambda(n) * sqrt(d) on logits the model already scales by 1/sqrt(d); never softer than the model
+        if budget <= 0 or n_seen <= budget:
+            return 1.0
+        return max(1.0, math.sqrt(2.0 * math.log(n_seen / budget)))
+
+    # -- (b) head weights ---------------------------------------------------------------------------
+
+    def _update_weights(self, obs: Observation) -> np.ndarray:
+        n_layer, n_head = obs.attn.shape[:2]
+        if not self.holistic_weights:
+            return np.ones((n_layer, n_head))
+        a = np.where(obs.visible[:, None, :], obs.attn, 0.0).astype(np.float64)
+        p = a / np.maximum(a.sum(axis=2, keepdims=True), 1e-12)
+        entropy = -(p * np.log(np.where(p > 0, p, 1.0))).sum(axis=2)
+        n_vis = np.maximum(obs.visible.sum(axis=1), 2)[:, None]
+        focus = np.clip(1.0 - entropy / np.log(n_vis), 0.05, 1.0)
+        if self.weights is None or self.weights.shape != focus.shape:
+            self.weights = focus
+        else:
+            self.weights = self.weight_smoothing * self.weights + (1 - self.weight_smoothing) * focus
+        return self.weights / self.weights.mean()
+
+    # -- (c) error model ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _output_norm(obs: Observation) -> np.ndarray:
+        """||o|| per layer and head, estimated as sum_j a_j ||v_j|| (per query row): [L, H, 1]."""
+        vq = kv_to_query_heads(obs.vnorm, obs.attn.shape[1])
+        return np.maximum((obs.attn * vq).sum(axis=2, keepdims=True) / max(obs.n_rows, 1), 1e-6)
+
+    def _relative_distance(self, obs: Observation) -> np.ndarray:
+        """||v_j - o|| / ||o||, [L, H, n]: verr / attn is the attention-weighted mean distance."""
+        vq = kv_to_query_heads(obs.vnorm, obs.attn.shape[1])
+        dist = np.where(obs.attn > 1e-7, obs.verr / np.maximum(obs.attn, 1e-7), vq)
+        return dist / self._output_norm(obs)
+
+    def _value_prior(self, obs: Observation) -> np.ndarray:
+        nu = obs.vnorm.astype(np.float64) ** 2  # [L, H_kv, n]
+        pooled = np.apply_along_axis(avg_pool, 2, nu, self.vpe_kernel)
+        gamma = pooled / np.maximum(pooled.max(axis=2, keepdims=True), 1e-12)
+        return kv_to_query_heads(gamma, obs.attn.shape[1])
+
+    # -- policy -------------------------------------------------------------------------------------
+
+    def observe(self, obs: Observation) -> None:
+        w = self._update_weights(obs)
+        mass = obs.side if self.sg_softmax and obs.side is not None else obs.attn
+        if self.error_model and obs.verr is not None:
+            mass = mass * self._relative_distance(obs)
+        elif self.value_prior and obs.vnorm is not None:
+            mass = mass * self._value_prior(obs)
+        self.ring.push(obs.positions, holistic_sum(mass, obs.visible, w))
+
+    def score(self, obs: Observation) -> np.ndarray:
+        return self.ring.get(obs.positions)
+
+    def predicted_error(self, obs: Observation, order: np.ndarray) -> np.ndarray:
+        """Predicted relative change of the heads' outputs, weighted over layers and heads, when
+        evicting positions ``obs.positions[order[:k]]`` for k = 1 .. len(order): [len(order)].
+
+        Per head, o - o' = sum_E a_j (v_j - o) / (1 - a_E), bounded by sum_E a_j ||v_j - o|| / (1 - a_E)."""
+        if obs.verr is None or obs.vnorm is None:
+            raise ValueError("the error model needs the VERR and VNORM statistics")
+        rows = max(obs.n_rows, 1)
+        vis = obs.visible[:, None, order]
+        a = np.where(vis, obs.attn[:, :, order], 0.0) / rows  # per query row
+        e = np.where(vis, obs.verr[:, :, order], 0.0) / rows
+        a_evicted = np.cumsum(a, axis=2)
+        bound = np.cumsum(e, axis=2) / np.maximum(1.0 - a_evicted, 1e-6) / self._output_norm(obs)
+        w = self.weights / self.weights.mean() if self.holistic_weights and self.weights is not None else None
+        w = np.ones(bound.shape[:2]) if w is None else w
+        return np.einsum("lh,lhk->k", w, bound) / w.sum()

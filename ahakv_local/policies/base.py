@@ -1,0 +1,122 @@
+"""What a policy sees and what it must answer.
+
+llama.cpp shares KV cells between all layers and heads, so eviction is per token: every policy
+reduces its per-layer, per-head evidence to one keep-score per live position (higher = keep;
+``+inf`` = this policy insists on keeping it). The controller protects sinks, the recent window,
+pinned spans and the newest token on top of that, and evicts the lowest scores.
+
+A layer that cannot see a position (Gemma 3's sliding-window layers only see the last 512
+positions) gives it zero attention by construction, not by judgement: ``holistic_sum`` averages
+over the layers that *can* see each position, so old tokens are judged by the full-attention
+layers alone instead of being dragged down by the sliding-window layers' zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ..native import TapFlag
+
+
+@dataclass
+class Observation:
+    """Statistics of the query rows of the last decode call, aligned with the live positions."""
+
+    positions: np.ndarray  # int64 [n] live positions, ascending
+    n_seen: int  # tokens decoded so far (the newest position + 1)
+    n_rows: int  # query rows the statistics sum over
+    budget: int  # the controller's current target, in cells
+    visible: np.ndarray  # bool [L, n]: layer l can see position j
+    attn: np.ndarray | None = None  # float32 [L, H, n]: the model's softmax mass
+    side: np.ndarray | None = None  # float32 [L, H, n]: side-pass mass at the policy's scale
+    verr: np.ndarray | None = None  # float32 [L, H, n]: sum of a * ||v - o||
+    vnorm: np.ndarray | None = None  # float32 [L, H_kv, n]: ||v||
+
+    @property
+    def n(self) -> int:
+        return self.positions.size
+
+
+def holistic_sum(x: np.ndarray, visible: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """[L, H, n] -> [n]: the weighted mean over the layers and heads that can see each position."""
+    w = np.ones(x.shape[:2]) if weights is None else weights
+    num = np.einsum("lh,lhn->n", w, np.where(visible[:, None, :], x, 0.0))
+    den = np.einsum("lh,ln->n", w, visible.astype(np.float64))
+    return np.divide(num, den, out=np.zeros_like(num, dtype=np.float64), where=den > 0)
+
+
+def kv_to_query_heads(x: np.ndarray, n_head: int) -> np.ndarray:
+    """[L, H_kv, n] -> [L, H, n]: query head h reads KV head h // (H / H_kv), like llama.cpp's GQA."""
+    return np.repeat(x, n_head // x.shape[1], axis=1)
+
+
+class ByPosition:
+    """A float array indexed by absolute position that grows as positions do."""
+
+    def __init__(self) -> None:
+        self.data = np.zeros(1024)
+
+    def _fit(self, max_pos: int) -> None:
+        if max_pos >= self.data.size:
+            grown = np.zeros(max(2 * self.data.size, max_pos + 1))
+            grown[: self.data.size] = self.data
+            self.data = grown
+
+    def add(self, positions: np.ndarray, values: np.ndarray) -> None:
+        if positions.size:
+            self._fit(int(positions[-1]))
+            self.data[positions] += values
+
+    def get(self, positions: np.ndarray) -> np.ndarray:
+        if positions.size:
+            self._fit(int(positions[-1]))
+        return self.data[positions]
+
+
+class RecentSum:
+    """The sum of the last ``r`` per-step contributions, by position (AhaKV's recent accumulation,
+    SnapKV's observation window, Scissorhands' history window): every token older than r steps is
+    judged on exactly r terms."""
+
+    def __init__(self, r: int) -> None:
+        self.r = r
+        self.total = ByPosition()
+        self.steps: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def push(self, positions: np.ndarray, values: np.ndarray) -> None:
+        self.total.add(positions, values)
+        self.steps.append((positions, values))
+        if len(self.steps) > self.r:
+            old_pos, old_val = self.steps.pop(0)
+            self.total.add(old_pos, -old_val)
+
+    def get(self, positions: np.ndarray) -> np.ndarray:
+        return self.total.get(positions)
+
+
+class Policy:
+    """Base class: one keep-score per live position.
+
+    needs: the statistics to tap; window: query rows per prefill chunk to tap (0 = all; decode
+    steps are always one row).
+    """
+
+    name: ClassVar[str]
+    needs: ClassVar[TapFlag] = TapFlag(0)
+    window: ClassVar[int] = 1
+
+    def tap_flags(self, step: int) -> TapFlag:
+        """The statistics for the decode call of this step (a policy may skip costly ones)."""
+        return self.needs
+
+    def side_scale(self, n_seen: int, budget: int) -> float:
+        return 1.0
+
+    def observe(self, obs: Observation) -> None:
+        """Called after every decode call with its statistics (update running state)."""
+
+    def score(self, obs: Observation) -> np.ndarray:
+        raise NotImplementedError

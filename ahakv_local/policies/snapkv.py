@@ -1,0 +1,41 @@
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..native import TapFlag
+from .base import Observation, Policy, RecentSum, holistic_sum
+
+
+def avg_pool(x: np.ndarray, kernel: int) -> np.ndarray:
+    """1-D average pooling along positions, same length (edges average over what exists)."""
+    if kernel <= 1 or x.size == 0:
+        return x
+    pad = kernel // 2
+    c = np.concatenate([[0.0], np.cumsum(x)])
+    lo = np.clip(np.arange(x.size) - pad, 0, x.size)
+    hi = np.clip(np.arange(x.size) + pad + 1, 0, x.size)
+    return (c[hi] - c[lo]) / (hi - lo)
+
+
+@dataclass
+class SnapKV(Policy):
+    """SnapKV (Li et al., NeurIPS 2024): attention of the last ``w`` queries (the observation
+    window), average-pooled along positions with kernel ``k`` so that neighbours of important
+    tokens survive too. Built for prompt compression; in decode the window slides over the last
+    w generated queries."""
+
+    name = "snapkv"
+    needs = TapFlag.ATTN
+    window = 32
+    w: int = 32
+    kernel: int = 7
+    recent: RecentSum = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.recent = RecentSum(self.w)
+
+    def observe(self, obs: Observation) -> None:
+        self.recent.push(obs.positions, holistic_sum(obs.attn, obs.visible))
+
+    def score(self, obs: Observation) -> np.ndarray:
+        return avg_pool(self.recent.get(obs.positions), self.kernel)

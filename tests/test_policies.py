@@ -1,0 +1,191 @@
+"""Every policy's choice on small hand-made statistics, against its paper's rule written out plainly."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from ahakv_local.policies import POLICIES, Observation, make_policy
+
+L, H, N = 2, 2, 8  # layer 1 plays a sliding-window layer that sees only the last 4 positions
+VISIBLE = np.array([[True] * N, [False] * 4 + [True] * 4])
+
+
+def synthetic_steps(seed: int = 0, steps: int = 3) -> list[Observation]:
+    """A few decode steps of random softmax rows over 8 live positions (zero where not visible)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        logits = rng.normal(0, 2, (L, H, N))
+        a = np.where(VISIBLE[:, None, :], np.exp(logits), 0.0)
+        a /= a.sum(axis=2, keepdims=True)
+        side = np.where(VISIBLE[:, None, :], np.exp(2 * logits), 0.0)
+        side /= side.sum(axis=2, keepdims=True)
+        vnorm = rng.uniform(0.5, 2.0, (L, 1, N))
+        dist = rng.uniform(0.1, 3.0, (L, H, N))
+        out.append(
+            Observation(
+                positions=np.arange(10, 10 + N),
+                n_seen=10 + N,
+                n_rows=1,
+                budget=6,
+                visible=VISIBLE,
+                attn=a.astype(np.float32),
+                side=side.astype(np.float32),
+                verr=(a * dist).astype(np.float32),
+                vnorm=vnorm.astype(np.float32),
+            )
+        )
+    return out
+
+
+def visible_mean(x: np.ndarray, j: int) -> float:
+    """Mean of x[l, h, j] over the (layer, head) pairs that see position j, written as loops."""
+    vals = [x[li, h, j] for li in range(L) for h in range(H) if VISIBLE[li, j]]
+    return sum(vals) / len(vals)
+
+
+# the paper's rule for each policy, as plain loops over the steps: keep-score per position
+def expected_scores(name: str, steps: list[Observation]) -> np.ndarray | None:
+    last = steps[-1]
+    if name == "full":
+        return np.full(N, np.inf)
+    if name == "streaming":  # keep the most recent
+        return last.positions.astype(float)
+    if name == "h2o":  # attention accumulated over every step; the recent half of the budget is kept
+        s = np.array([sum(visible_mean(o.attn, j) for o in steps) for j in range(N)])
+        s[-3:] = np.inf  # recent_ratio 0.5 of budget 6
+        return s
+    if name == "tova":  # the current query's attention only
+        return np.array([visible_mean(last.attn, j) for j in range(N)])
+    if name == "scissorhands":  # fraction of steps with attention >= 1/t (t = tokens the layer sees)
+        hits = np.zeros(N)
+        for o in steps:
+            important = np.zeros((L, H, N))
+            for li in range(L):
+                t = VISIBLE[li].sum()
+                important[li] = o.attn[li] >= 1.0 / t
+            hits += [visible_mean(important, j) for j in range(N)]
+        return hits / len(steps)
+    if name == "snapkv":  # window sum of attention, average-pooled with kernel 7 (3 each side)
+        w = np.array([sum(visible_mean(o.attn, j) for o in steps) for j in range(N)])
+        return np.array([w[max(0, j - 3) : j + 4].mean() for j in range(N)])
+    return None  # random and ahakv: specific tests below
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_policy_follows_its_rule(name):
+    policy = make_policy(name)
+    steps = synthetic_steps()
+    for obs in steps:
+        policy.observe(obs)
+    score = policy.score(steps[-1])
+    assert score.shape == (N,)
+    expected = expected_scores(name, steps)
+    if name == "random":
+        again = make_policy("random")
+        np.testing.assert_array_equal(score, again.score(steps[-1]))  # seeded
+        assert len(set(np.argsort(score)[:2])) == 2
+        return
+    if name == "ahakv":
+        expected = ahakv_reference(steps, policy)
+    np.testing.assert_allclose(score, expected, rtol=1e-6)
+    # the victims are the lowest scores
+    order = np.lexsort((steps[-1].positions, expected))
+    np.testing.assert_array_equal(np.lexsort((steps[-1].positions, score))[:3], order[:3])
+
+
+def ahakv_reference(steps, policy) -> np.ndarray:
+    """AhaKV with its defaults, from the definitions: weights from head focus (EMA 0.9), per-step
+    contribution = side mass * ||v - o|| / ||o|| (error model), summed over the last r steps."""
+    weights = None
+    total = np.zeros(N)
+    for obs in steps:
+        focus = np.zeros((L, H))
+        for li in range(L):
+            for h in range(H):
+                p = [obs.attn[li, h, j] for j in range(N) if VISIBLE[li, j]]
+                p = np.array(p) / sum(p)
+                ent = -sum(x * math.log(x) for x in p if x > 0)
+                focus[li, h] = min(max(1 - ent / math.log(max(VISIBLE[li].sum(), 2)), 0.05), 1.0)
+        weights = focus if weights is None else 0.9 * weights + 0.1 * focus
+        w = weights / weights.mean()
+        contrib = np.zeros(N)
+        for j in range(N):
+            num = den = 0.0
+            for li in range(L):
+                if not VISIBLE[li, j]:
+                    continue
+                for h in range(H):
+                    o_norm = sum(obs.attn[li, h, i] * obs.vnorm[li, 0, i] for i in range(N))
+                    dist = obs.verr[li, h, j] / obs.attn[li, h, j]
+                    num += w[li, h] * obs.side[li, h, j] * dist / o_norm
+                    den += w[li, h]
+            contrib[j] = num / den
+        total += contrib  # r = 32 > 3 steps: all count
+    return total
+
+
+def test_ahakv_recent_accumulation_forgets_old_steps():
+    """RA: only the last r queries count, so every token older than r has r terms."""
+    steps = synthetic_steps(steps=5)
+    p = make_policy("ahakv", r=2, sg_softmax=False, value_prior=False, error_model=False, holistic_weights=False)
+    for obs in steps:
+        p.observe(obs)
+    expected = [sum(visible_mean(o.attn, j) for o in steps[-2:]) for j in range(N)]
+    np.testing.assert_allclose(p.score(steps[-1]), expected, rtol=1e-6)
+
+
+def test_ahakv_value_prior_and_sg_softmax():
+    steps = synthetic_steps(steps=1)
+    obs = steps[0]
+    p = make_policy("ahakv", error_model=False, holistic_weights=False)
+    p.observe(obs)
+    nu = obs.vnorm[:, 0, :].astype(float) ** 2  # [L, N]
+    pooled = np.array([[nu[li, max(0, j - 2) : j + 3].mean() for j in range(N)] for li in range(L)])
+    gamma = pooled / pooled.max(axis=1, keepdims=True)
+    expected = [visible_mean(obs.side * gamma[:, None, :], j) for j in range(N)]
+    np.testing.assert_allclose(p.score(obs), expected, rtol=1e-6)
+
+
+def test_ahakv_lambda():
+    p = make_policy("ahakv")
+    assert p.side_scale(n_seen=100, budget=128) == 1.0  # nothing to evict yet: the model's own softmax
+    assert p.side_scale(n_seen=8 * 128, budget=128) == pytest.approx(math.sqrt(2 * math.log(8)))  # 2.04
+
+
+def test_ahakv_predicted_error_is_the_leave_set_out_bound():
+    obs = synthetic_steps(steps=1)[0]
+    p = make_policy("ahakv", holistic_weights=False)
+    p.observe(obs)
+    order = np.array([0, 5, 6])
+    got = p.predicted_error(obs, order)
+    for k in range(1, 4):
+        total = count = 0.0
+        for li in range(L):
+            for h in range(H):
+                o_norm = sum(obs.attn[li, h, i] * obs.vnorm[li, 0, i] for i in range(N))
+                chosen = [j for j in order[:k] if VISIBLE[li, j]]
+                a_e = sum(obs.attn[li, h, j] for j in chosen)
+                e = sum(obs.verr[li, h, j] for j in chosen)
+                total += e / (1 - a_e) / o_norm
+                count += 1
+        assert got[k - 1] == pytest.approx(total / count, rel=1e-6)
+    assert np.all(np.diff(got) >= 0)
+
+
+def test_sliding_window_zeros_do_not_count_against_old_tokens():
+    """Position 0 is seen by layer 0 only; its score must not be halved by layer 1's forced zeros."""
+    obs = synthetic_steps(steps=1)[0]
+    p = make_policy("tova")
+    expected0 = obs.attn[0, :, 0].mean()
+    assert p.score(obs)[0] == pytest.approx(expected0, rel=1e-6)
+
+
+def test_unknown_policy_is_a_clear_error():
+    from ahakv_local.errors import AhakvError
+
+    with pytest.raises(AhakvError, match="unknown policy 'h3o'; choose from full, streaming"):
+        make_policy("h3o")
