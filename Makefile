@@ -18,7 +18,7 @@ setup: $(STAMP)
 	$(VENV)/bin/ahakv-local build
 
 demo: setup
-	$(VENV)/bin/ahakv-local run
+	$(VENV)/bin/ahakv-local generate -f /usr/share/common-licenses/GPL-3 -n 128 --budget 256 --stats
 
 test: setup
 	$(PY) -m pytest

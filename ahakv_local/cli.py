@@ -54,60 +54,194 @@ def model_path(model: str | None) -> None:
     click.echo(resolve_model(model, progress=True))
 
 
-@main.command()
-@click.argument("model", required=False)
-@click.option("-p", "--prompt", default=None, help="Prompt text (default: the start of the GPL-3 text).")
-@click.option("-n", "--n-predict", default=64, show_default=True, help="Tokens to generate.")
-@click.option("-c", "--ctx-size", default=4096, show_default=True, help="KV cells to allocate.")
-@click.option("--budget", type=int, default=None, help="Keep at most this many cells: 4 sinks + the most recent.")
-@click.option("--temp", default=0.0, show_default=True, help="Sampling temperature (0 = greedy).")
-@click.option("--seed", default=0, show_default=True)
-@click.option("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores).")
-@click.option("-ngl", "--n-gpu-layers", default=0, show_default=True, help="Layers to offload to the GPU.")
-def run(model, prompt, n_predict, ctx_size, budget, temp, seed, threads, n_gpu_layers) -> None:
-    """Generate from MODEL and report tokens/s and KV cache occupancy."""
-    from .engine import Engine, EngineConfig
-    from .generate import GenerationStats, stream_tokens
-    from .models import resolve_model
+def engine_options(f):
+    """Options shared by the commands that load a model (llama.cpp's names, mirrored by AHAKV_* variables)."""
+    options = [
+        click.option(
+            "-c",
+            "--ctx-size",
+            default=4096,
+            show_default=True,
+            envvar="AHAKV_CTX_SIZE",
+            help="Context size without a budget; with a ratio or auto budget, the KV cells to allocate.",
+        ),
+        click.option(
+            "-b",
+            "--budget",
+            default=None,
+            envvar="AHAKV_BUDGET",
+            help="KV budget: cells (512), a ratio of the tokens seen (0.25 or 25%), or auto.",
+        ),
+        click.option(
+            "--policy",
+            default="ahakv",
+            show_default=True,
+            envvar="AHAKV_POLICY",
+            help="Eviction policy: " + ", ".join(POLICY_NAMES) + ".",
+        ),
+        click.option("--sinks", default=4, show_default=True, envvar="AHAKV_SINKS", help="Protected first tokens."),
+        click.option("--recent", default=32, show_default=True, envvar="AHAKV_RECENT", help="Protected recent tokens."),
+        click.option(
+            "--error-tol",
+            default=0.05,
+            show_default=True,
+            envvar="AHAKV_ERROR_TOL",
+            help="Auto budget: tolerated predicted relative output change.",
+        ),
+        click.option("-t", "--threads", type=int, default=None, envvar="AHAKV_THREADS", help="CPU threads."),
+        click.option(
+            "-ngl",
+            "--n-gpu-layers",
+            default=0,
+            show_default=True,
+            envvar="AHAKV_N_GPU_LAYERS",
+            help="Layers to offload to the GPU.",
+        ),
+        click.option(
+            "--batch-size",
+            type=int,
+            default=None,
+            help="Prompt tokens per decode call (default: 64 with a budget, to keep the cells near it; 512).",
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
 
-    if prompt is None:
-        with open("/usr/share/common-licenses/GPL-3", encoding="utf-8") as f:
-            prompt = f.read()[:1500]
-    if budget is not None and budget < 8:
-        raise AhakvError("--budget must be at least 8 cells (4 sinks + recent tokens)")
+
+POLICY_NAMES = ("full", "streaming", "random", "h2o", "scissorhands", "tova", "snapkv", "ahakv")
+
+
+def load_llama(model, ctx_size, budget, policy, sinks, recent, error_tol, threads, n_gpu_layers, batch_size, **extra):
+    """Resolve, check and load a model as an ahakv_local.Llama; every user mistake is an AhakvError."""
+    from .controller import Budget
+    from .info import read_info
+    from .models import resolve_model
+    from .policies import make_policy
 
     path = resolve_model(model, progress=True)
-    config = EngineConfig(n_ctx=ctx_size, n_threads=threads, n_gpu_layers=n_gpu_layers)
-    with Engine(path, config) as engine:
-        tokens = engine.tokenize(prompt)
-        stats = GenerationStats()
-        hook = _sink_recent_eviction(budget) if budget else None
-        generated: list[int] = []
-        shown = 0
-        for token in stream_tokens(engine, tokens, n_predict, temp, seed, stats, hook):
-            generated.append(token)
-            text = engine.detokenize(generated)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                click.echo(text[shown:], nl=False)
-                shown = len(text)
-        click.echo()
-        used, cells = engine.n_used(), engine.n_cells()
+    read_info(path)  # a clear error for an unsupported architecture before llama.cpp tries
+    make_policy(policy)  # a clear error for an unknown policy
+    if budget is not None:
+        b = Budget.parse(budget)
+        if b.mode == "cells" and b.value < sinks + recent + 1:
+            raise AhakvError(f"budget {int(b.value)} is smaller than sinks + recent + newest ({sinks} + {recent} + 1)")
+    from .native import lib
+
+    lib()  # refuse an unpatched or missing engine with one line, before llama_cpp is imported
+    from .llama import Llama
+
+    batch_size = batch_size or (64 if budget is not None else 512)
+    try:
+        return Llama(
+            str(path),
+            n_ctx=ctx_size,
+            n_batch=batch_size,
+            n_ubatch=batch_size,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_gpu_layers=n_gpu_layers,
+            verbose=False,
+            kv_budget=budget,
+            kv_policy=policy,
+            kv_sinks=sinks,
+            kv_recent=recent,
+            kv_error_tol=error_tol,
+            **extra,
+        )
+    except ValueError as exc:
+        raise AhakvError(f"cannot load {path}: {exc}") from None
+
+
+@main.command()
+@click.argument("model", required=False, envvar="AHAKV_MODEL")
+@engine_options
+@click.option("-sys", "--system", default="You are a helpful assistant.", show_default=True, help="System prompt.")
+@click.option("-n", "--n-predict", default=512, show_default=True, help="Most tokens per answer.")
+@click.option("--temp", default=0.7, show_default=True)
+@click.option("--top-k", default=40, show_default=True)
+@click.option("--top-p", default=0.95, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+def chat(model, system, n_predict, temp, top_k, top_p, seed, **engine) -> None:
+    """Chat in the terminal; the conversation stays in the (bounded) cache across turns."""
+    from .chat import ChatSession, install_sigint_default, run_chat
+
+    if engine["budget"] is None:
+        engine["budget"] = "1024"  # the chat is the product: bounded by default
+    llm = load_llama(model, kv_reuse_compressed=True, **engine)
+    install_sigint_default()
+    session = ChatSession(llm, system or None, n_predict, temp, top_k, top_p, seed)
+    run_chat(session)
+
+
+@main.command()
+@click.argument("model", required=False, envvar="AHAKV_MODEL")
+@engine_options
+@click.option("-p", "--prompt", default=None, help="Prompt text (else --file, else standard input).")
+@click.option("-f", "--file", "prompt_file", default=None, help="Read the prompt from this file.")
+@click.option("-n", "--n-predict", default=128, show_default=True, help="Tokens to generate.")
+@click.option("--temp", default=0.0, show_default=True, help="Sampling temperature (0 = greedy).")
+@click.option("--top-k", default=40, show_default=True)
+@click.option("--top-p", default=0.95, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--stats", is_flag=True, help="Print prompt/generation speed and cache figures to stderr.")
+def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, stats, **engine) -> None:
+    """Generate a continuation of a prompt."""
+    if prompt is None:
+        if prompt_file:
+            try:
+                prompt = open(prompt_file, encoding="utf-8").read()
+            except OSError as exc:
+                raise AhakvError(f"cannot read {prompt_file}: {exc.strerror}") from None
+        elif not sys.stdin.isatty():
+            prompt = sys.stdin.read()
+        else:
+            raise AhakvError("give a prompt with -p, --file or on standard input")
+    llm = load_llama(model, **engine)
+    generated = 0
+    for chunk in llm.create_completion(
+        prompt, max_tokens=n_predict, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, stream=True
+    ):
+        click.echo(chunk["choices"][0]["text"], nl=False)
+        generated += chunk["choices"][0]["finish_reason"] is None  # one chunk per token, then a final one
+    click.echo()
+    if stats:
+        s = llm.kv_stats()
+        budget = s.budget if s.budget is not None else "-"
         click.echo(
-            f"prompt {stats.n_prompt} tok at {stats.prompt_tps:.1f} t/s | "
-            f"generated {stats.n_generated} tok at {stats.decode_tps:.1f} t/s | "
-            f"cache {used}/{cells} cells, {engine.kv_bytes() / 2**20:.1f} MiB KV | evicted {stats.evicted}",
+            f"prompt {s.prompt_tokens} tok at {s.prompt_tps:.1f} t/s | generated {generated} tok at "
+            f"{s.generation_tps:.1f} t/s | cache {s.cells_used}/{budget} cells ({s.kv_cells} allocated, "
+            f"{s.kv_bytes / 2**20:.1f} MiB KV) | seen {s.tokens_seen} | evicted {s.evicted}",
             err=True,
         )
 
 
-def _sink_recent_eviction(budget: int, n_sink: int = 4):
-    """Keep the first n_sink positions and the most recent ones (the full policies come with the controller)."""
+@main.command()
+@click.argument("model", required=False, envvar="AHAKV_MODEL")
+@click.option("-b", "--budget", default=512, show_default=True, help="Budget to compare with the full cache.")
+@click.option("-c", "--ctx-size", type=int, default=None, help="Context length to compare at (default: trained).")
+def info(model, budget, ctx_size) -> None:
+    """Architecture, heads, sliding window, trained context and KV bytes of MODEL."""
+    from .info import describe, read_info
+    from .models import resolve_model
 
-    def evict(engine) -> int:
-        live = engine.live_positions()
-        excess = live.size - budget
-        if excess <= 0:
-            return 0
-        return engine.evict(live[n_sink : n_sink + excess])
+    if budget < 1:
+        raise AhakvError("--budget must be at least 1 cell")
+    click.echo(describe(read_info(resolve_model(model, progress=True)), budget, ctx_size))
 
-    return evict
+
+@main.command()
+@click.argument("model", required=False, envvar="AHAKV_MODEL")
+@engine_options
+@click.option("--host", default="127.0.0.1", show_default=True, envvar="AHAKV_HOST")
+@click.option("--port", default=8000, show_default=True, envvar="AHAKV_PORT")
+def serve(model, host, port, **engine) -> None:
+    """An OpenAI-compatible server (completions, chat completions, streaming)."""
+    import uvicorn
+
+    from .server import create_app
+
+    llm = load_llama(model, **engine)
+    app = create_app(llm, model_name=llm.model_path.rsplit("/", 1)[-1])
+    click.echo(f"serving {llm.model_path} on http://{host}:{port}/v1", err=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -137,6 +137,24 @@ class KVController:
             self.evict()
         return logits
 
+    def truncate(self, n: int) -> None:
+        """Rewind to position n: forget every position >= n (cells, bookkeeping and policy state)."""
+        if n < self.engine.n_past:
+            self.engine.truncate(n)
+        self.engine.n_past = n
+        self.live = self.live[self.live < n]
+        self.policy.truncate(n)
+        self.stats.tokens_seen = n
+        self.stats.cells_used = self.live.size
+
+    def first_gap(self) -> int | None:
+        """The lowest evicted position below n_past, or None if the history is intact."""
+        n = self.engine.n_past
+        if self.live.size == n:
+            return None
+        holes = np.flatnonzero(self.live != np.arange(self.live.size))
+        return int(holes[0]) if holes.size else int(self.live.size)
+
     def _flags(self, step: int) -> TapFlag:
         flags = self.policy.tap_flags(step)
         if self.config.track_mass and not isinstance(self.policy, Full):
@@ -222,8 +240,12 @@ class KVController:
 
     def evict(self) -> int:
         """Evict down to the budget now; returns how many positions went."""
-        if isinstance(self.policy, Full) or self._obs is None:
+        if isinstance(self.policy, Full) or self._tap is None:
             return 0
+        if self._obs is None or self._obs.positions is not self.live:
+            # the live set changed since the last decode (an eviction, a new budget): re-read the
+            # accumulated statistics for it; the policy has already observed them
+            self._obs = self._observe(self._tap[0])
         obs, budget = self._obs, self.config.budget
         n = self.live.size
         candidates = np.flatnonzero(~self.protected())

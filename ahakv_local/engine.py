@@ -94,7 +94,34 @@ class Engine:
             self._model.close()
             raise AhakvError(f"cannot create a context for {path} (n_ctx={config.n_ctx})") from exc
         self._batch = _internals.LlamaBatch(n_tokens=config.n_batch, embd=0, n_seq_max=1, verbose=config.verbose)
+        self._owned = True
+        self._describe()
 
+    @classmethod
+    def attach(cls, llm) -> Engine:
+        """An Engine over the model and context of a ``llama_cpp.Llama`` (which keeps owning them)."""
+        import llama_cpp
+
+        self = cls.__new__(cls)
+        self.native = lib()
+        self._llama_cpp = llama_cpp
+        self.path = Path(llm.model_path)
+        p = llm.context_params
+        self.config = EngineConfig(
+            n_ctx=p.n_ctx,
+            n_batch=p.n_batch,
+            n_ubatch=p.n_ubatch,
+            n_threads=p.n_threads,
+            flash_attn=p.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            verbose=llm.verbose,
+        )
+        self._model, self._ctx, self._batch = llm._model, llm._ctx, llm._batch
+        self._owned = False
+        self._describe()
+        return self
+
+    def _describe(self) -> None:
+        llama_cpp = self._llama_cpp
         m = self._model.model
         self.n_layer = llama_cpp.llama_model_n_layer(m)
         self.n_head = llama_cpp.llama_model_n_head(m)
@@ -118,6 +145,8 @@ class Engine:
         return self._ctx.ctx
 
     def close(self) -> None:
+        if not getattr(self, "_owned", False):
+            return  # attached to a Llama, which frees its own resources
         for owner in ("_batch", "_ctx", "_model"):
             obj = getattr(self, owner, None)
             if obj is not None:

@@ -75,7 +75,7 @@ def lib() -> NativeLib:
     """Bind the API once; refuse an unpatched or mismatched engine with a message that says what to do."""
     try:
         import llama_cpp.llama_cpp as llama_cpp_lib
-    except (ImportError, OSError) as exc:  # OSError: the shared library failed to load
+    except Exception as exc:  # ImportError, OSError (no library), AttributeError (a library without llama_*)
         raise EngineNotPatched(f"llama-cpp-python is not installed or does not load ({exc}); {BUILD_HINT}") from exc
 
     cdll = llama_cpp_lib._lib

@@ -2,49 +2,131 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
+
+import llama_cpp
+import pytest
 
 
-def ahakv(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ahakv_local", *args], capture_output=True, text=True, timeout=300)
+def ahakv(*args: str, env: dict | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ahakv_local", *args], capture_output=True, text=True, timeout=300, env=env, input=stdin
+    )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, pattern: str) -> None:
-    assert proc.returncode != 0
-    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith("llama_kv_cache_iswa")]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert re.match(pattern, lines[0]), lines[0]
 
 
 def test_missing_model_file(tmp_path):
-    assert_one_line_error(ahakv("run", str(tmp_path / "nope.gguf")), r"error: model file not found: .*nope\.gguf")
+    for command in ("generate", "chat", "info", "serve"):
+        assert_one_line_error(
+            ahakv(command, str(tmp_path / "nope.gguf"), *(["-p", "x"] if command == "generate" else [])),
+            r"error: model file not found: .*nope\.gguf",
+        )
 
 
 def test_not_a_gguf(tmp_path):
     text = tmp_path / "notes.gguf"
     text.write_text("hello")
-    assert_one_line_error(ahakv("run", str(text)), r"error: not a GGUF file: .*notes\.gguf")
+    assert_one_line_error(ahakv("generate", str(text), "-p", "x"), r"error: not a GGUF file: .*notes\.gguf")
 
 
-def test_budget_too_small(fixture_model):
-    assert_one_line_error(ahakv("run", str(fixture_model), "--budget", "3"), r"error: --budget must be at least 8")
+def test_unsupported_architecture(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "bert.gguf"
+    w = gguf.GGUFWriter(str(path), "bert")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_one_line_error(ahakv("info", str(path)), r"error: unsupported architecture 'bert' in bert\.gguf")
+    assert_one_line_error(ahakv("generate", str(path), "-p", "x"), r"error: unsupported architecture 'bert'")
 
 
-def test_run_holds_the_budget_and_reports(fixture_model):
-    proc = ahakv("run", str(fixture_model), "-p", "the quick brown fox " * 8, "-n", "40", "--budget", "16")
+def test_budget_too_small_and_unknown_policy(fixture_model):
+    assert_one_line_error(
+        ahakv("generate", str(fixture_model), "-p", "x", "--budget", "20"),
+        r"error: budget 20 is smaller than sinks \+ recent \+ newest \(4 \+ 32 \+ 1\)",
+    )
+    assert_one_line_error(
+        ahakv("generate", str(fixture_model), "-p", "x", "--budget", "lots"), r"error: budget must be a cell count"
+    )
+    assert_one_line_error(
+        ahakv("generate", str(fixture_model), "-p", "x", "--policy", "h3o"),
+        r"error: unknown policy 'h3o'; choose from full, streaming",
+    )
+    assert_one_line_error(
+        ahakv("generate", str(fixture_model), "-f", "/nonexistent/prompt.txt"),
+        r"error: cannot read /nonexistent/prompt.txt",
+    )
+
+
+def test_unpatched_engine_is_one_clear_line(fixture_model, tmp_path):
+    # a library folder whose libllama is not llama.cpp's (a real shared library without llama_* symbols)
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "libllama.so").symlink_to(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so")
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(lib)}
+    proc = ahakv("generate", str(fixture_model), "-p", "x", env=env)
+    assert_one_line_error(proc, r"error: .*run `ahakv-local build`")
+
+
+def test_generate_holds_the_budget_and_reports(fixture_model):
+    proc = ahakv(
+        "generate",
+        str(fixture_model),
+        "-n",
+        "80",
+        "--budget",
+        "48",
+        "--recent",
+        "8",
+        "--stats",
+        stdin="the quick brown fox " * 8,
+    )
     assert proc.returncode == 0, proc.stderr
     m = re.search(
-        r"generated (\d+) tok at [\d.]+ t/s \| cache (\d+)/(\d+) cells, [\d.]+ MiB KV \| evicted (\d+)", proc.stderr
+        r"generated (\d+) tok at [\d.]+ t/s \| cache (\d+)/(\d+) cells \((\d+) allocated, [\d.]+ MiB KV\) "
+        r"\| seen (\d+) \| evicted (\d+)",
+        proc.stderr,
     )
     assert m, proc.stderr
-    generated, used, _cells, evicted = map(int, m.groups())
-    assert generated == 40
-    assert used <= 16 + 1  # the budget, plus the token decoded after the last eviction
-    assert evicted > 0
+    generated, used, budget, allocated, seen, evicted = map(int, m.groups())
+    assert generated == 80 and used <= budget == 48 and allocated == 256
+    assert evicted == seen - used > 0
+
+
+def test_info_reports_the_savings(gemma_model):
+    proc = ahakv("info", str(gemma_model), "--budget", "512")
+    assert proc.returncode == 0, proc.stderr
+    assert "KV per token   18,432 bytes" in proc.stdout
+    assert "sliding window 512" in proc.stdout and "trained ctx    32,768 positions" in proc.stdout
+    assert "full cache 576.0 MiB; budget 512 cells 9.0 MiB (64x smaller" in proc.stdout
+
+
+def test_environment_variables_mirror_options(fixture_model):
+    env = {**os.environ, "AHAKV_BUDGET": "20"}
+    assert_one_line_error(ahakv("generate", str(fixture_model), "-p", "x", env=env), r"error: budget 20 is smaller")
 
 
 def test_build_is_a_no_op_when_up_to_date():
     proc = ahakv("build")
     assert proc.returncode == 0 and "engine up to date" in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["chat", "generate", "serve", "info", "build"])
+def test_help(command):
+    proc = ahakv(command, "--help")
+    assert proc.returncode == 0 and "Usage:" in proc.stdout

@@ -75,6 +75,10 @@ class ByPosition:
             self._fit(int(positions[-1]))
         return self.data[positions]
 
+    def truncate(self, n: int) -> None:
+        """Forget positions >= n (they will be decoded again, with other tokens)."""
+        self.data[n:] = 0.0
+
 
 class RecentSum:
     """The sum of the last ``r`` per-step contributions, by position (AhaKV's recent accumulation,
@@ -95,6 +99,10 @@ class RecentSum:
 
     def get(self, positions: np.ndarray) -> np.ndarray:
         return self.total.get(positions)
+
+    def truncate(self, n: int) -> None:
+        self.total.truncate(n)
+        self.steps = [(p[p < n], v[p < n]) for p, v in self.steps]
 
 
 class Policy:
@@ -117,6 +125,12 @@ class Policy:
 
     def observe(self, obs: Observation) -> None:
         """Called after every decode call with its statistics (update running state)."""
+
+    def truncate(self, n: int) -> None:
+        """Forget what was learned about positions >= n: the sequence is rewound there."""
+        for value in vars(self).values():
+            if isinstance(value, (ByPosition, RecentSum)):
+                value.truncate(n)
 
     def score(self, obs: Observation) -> np.ndarray:
         raise NotImplementedError

@@ -1,0 +1,329 @@
+"""``ahakv-local chat``: a terminal chat that keeps the conversation in a bounded KV cache.
+
+Each turn re-renders the conversation with the model's chat template; llama-cpp-python's prefix
+match then finds the cached (compressed) history and only the new message is decoded. The system
+prompt is pinned. Ctrl-C stops an answer; a second Ctrl-C (before the next answer) exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+from .controller import Budget
+from .errors import AhakvError
+from .llama import Llama
+from .paths import cache_dir
+from .policies import make_policy
+
+HELP = """commands:
+  /help             this text
+  /reset            forget the conversation (keeps the system prompt)
+  /stats            cache and speed statistics
+  /policy NAME      switch the eviction policy (full, streaming, random, h2o, scissorhands, tova, snapkv, ahakv)
+  /budget N|R|auto  change the budget (cells, a ratio like 0.25, or auto), up to the allocated cells
+  /save FILE        save the conversation and its cache
+  /load FILE        restore a conversation saved with /save
+  /exit             quit (also Ctrl-D, or Ctrl-C twice)
+A line ending in \\ continues on the next line; \"\"\" starts and ends a multi-line block."""
+
+
+@dataclass
+class ChatSession:
+    llm: Llama
+    system: str | None
+    max_tokens: int = 512
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    seed: int = 0
+    messages: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.llm.reset()
+        self._pin_system_prompt()
+
+    def _pin_system_prompt(self) -> None:
+        """Pin the tokens that render the system prompt: the common prefix of two renderings that
+        differ only in the user's message."""
+        kv = self.llm.kv_controller
+        if kv is None or not self.system:
+            return
+        a, b = (self._prompt_tokens(self.messages + [{"role": "user", "content": x}]) for x in ("A", "B"))
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        kv.config.pinned = (0, n)
+
+    def _prompt_tokens(self, messages: list[dict]) -> list[int]:
+        """The tokens the chat handler would decode for ``messages`` (the GGUF's own template)."""
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        template = self.llm.metadata.get("tokenizer.chat_template")
+        if not template:
+            return self.llm.tokenize("".join(m["content"] for m in messages).encode(), add_bos=True)
+        vocab = self.llm._model
+        bos = vocab.token_get_text(self.llm.token_bos())
+        eos = vocab.token_get_text(self.llm.token_eos())
+        result = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)(messages=messages)
+        return self.llm.tokenize(result.prompt.encode(), add_bos=not result.added_special, special=True)
+
+    def answer(self, text: str, out, stop=lambda: False) -> str:
+        """Stream the reply to ``text`` until it ends or ``stop()`` says so; what was said is kept."""
+        self.messages.append({"role": "user", "content": text})
+        self.llm.reset_timings()
+        reply = []
+        try:
+            stream = self.llm.create_chat_completion(
+                messages=self.messages,
+                stream=True,
+                max_tokens=self.max_tokens,
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                seed=self.seed,
+            )
+            for chunk in stream:
+                piece = chunk["choices"][0]["delta"].get("content") or ""
+                reply.append(piece)
+                out.write(piece)
+                out.flush()
+                if stop():
+                    stream.close()  # between two decodes: the cache and the history stay consistent
+                    break
+        finally:
+            self.messages.append({"role": "assistant", "content": "".join(reply)})
+        return "".join(reply)
+
+    def stats_line(self) -> str:
+        s = self.llm.kv_stats()
+        budget = s.budget if s.budget is not None else "-"
+        return (
+            f"[prompt {s.prompt_tps:.1f} t/s | gen {s.generation_tps:.1f} t/s | "
+            f"cache {s.cells_used}/{budget} cells of {s.kv_cells} | seen {s.tokens_seen} | evicted {s.evicted}]"
+        )
+
+    def stats_report(self) -> str:
+        s = self.llm.kv_stats()
+        kv = self.llm.kv_controller
+        lines = [f"{k:18s} {v:.3f}" if isinstance(v, float) else f"{k:18s} {v}" for k, v in s.as_dict().items()]
+        if kv is not None:
+            lines.insert(0, f"{'policy':18s} {kv.policy.name}")
+            lines.insert(1, f"{'budget mode':18s} {kv.config.budget}")
+            if kv.stats.retained_mass:
+                mass = ", ".join(f"{m:.3f}" for m in kv.stats.retained_mass)
+                lines.append(f"{'retained mass':18s} per layer: {mass}")
+        return "\n".join(lines)
+
+    # -- commands -----------------------------------------------------------------------------------
+
+    def set_policy(self, name: str) -> str:
+        kv = self._controller()
+        kv.policy = make_policy(name)
+        kv._tap = None  # re-tap for the new policy's statistics
+        return f"policy: {name} (its statistics start now)"
+
+    def set_budget(self, text: str) -> str:
+        kv = self._controller()
+        b = Budget.parse(
+            text,
+            min_ratio=kv.config.budget.min_ratio,
+            max_ratio=kv.config.budget.max_ratio,
+            error_tol=kv.config.budget.error_tol,
+        )
+        cells = self.llm.kv_stats().kv_cells
+        if b.mode == "cells" and b.value + self.llm.n_batch > cells:
+            raise AhakvError(
+                f"budget {int(b.value)} does not fit the {cells} allocated cells with a prompt chunk of "
+                f"{self.llm.n_batch}: restart with --budget {int(b.value)}"
+            )
+        if b.mode == "auto" and not hasattr(kv.policy, "predicted_error"):
+            raise AhakvError("an auto budget needs the ahakv policy (/policy ahakv)")
+        kv.config.budget = b
+        evicted = kv.evict()
+        return f"budget: {b} (evicted {evicted} now)"
+
+    def _controller(self):
+        if self.llm.kv_controller is None:
+            raise AhakvError("this chat runs without a budget (start it with --budget)")
+        return self.llm.kv_controller
+
+    def save(self, path: Path) -> str:
+        data = {"messages": self.messages, "system": self.system, "state": self.llm.save_state()}
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("wb") as f:
+            pickle.dump(data, f)
+        tmp.replace(path)  # never a half-written file in place of a good one
+        return f"saved {len(self.messages)} messages and {self.llm.kv_stats().cells_used} cached tokens to {path}"
+
+    def load(self, path: Path) -> str:
+        try:
+            with path.open("rb") as f:
+                data = pickle.load(f)
+            messages, state = data["messages"], data["state"]
+        except FileNotFoundError:
+            raise AhakvError(f"no such file: {path}") from None
+        except Exception as exc:
+            raise AhakvError(f"{path} is not a saved ahakv-local chat ({exc.__class__.__name__})") from None
+        self.llm.load_state(state)
+        self.messages, self.system = messages, data.get("system")
+        self._pin_system_prompt()
+        return f"loaded {len(messages)} messages, {self.llm.kv_stats().cells_used} cached tokens"
+
+    def transcript(self) -> str:
+        return json.dumps(self.messages, indent=1, ensure_ascii=False)
+
+
+def read_message(prompt: str) -> str:
+    """One message: lines ending in a backslash continue; a \"\"\" line opens and closes a block."""
+    first = input(prompt)
+    if first.strip() == '"""':
+        lines = []
+        while (line := input("... ")).strip() != '"""':
+            lines.append(line)
+        return "\n".join(lines)
+    lines = [first]
+    while lines[-1].endswith("\\"):
+        lines[-1] = lines[-1][:-1]
+        lines.append(input("... "))
+    return "\n".join(lines)
+
+
+def setup_history() -> None:
+    try:
+        import readline
+    except ImportError:  # no readline (Windows): plain input
+        return
+    history = cache_dir() / "chat_history"
+    history.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        readline.read_history_file(history)
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+    import atexit
+
+    atexit.register(lambda: readline.write_history_file(history))
+
+
+def run_chat(session: ChatSession) -> None:
+    try:
+        _repl(session)
+    finally:
+        keep_transcript(session)
+
+
+def keep_transcript(session: ChatSession) -> None:
+    """Every conversation is written out on exit, so quitting never loses one."""
+    if not any(m["role"] == "user" for m in session.messages):
+        return
+    folder = cache_dir() / "chats"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / time.strftime("chat-%Y%m%d-%H%M%S.json")
+    path.write_text(session.transcript(), encoding="utf-8")
+    click.echo(f"conversation saved to {path}", err=True)
+
+
+def _repl(session: ChatSession) -> None:
+    out = sys.stdout
+    setup_history()
+    click.echo("ahakv-local chat - /help for commands, Ctrl-C stops an answer, twice to quit", err=True)
+    interrupted = False
+    while True:
+        try:
+            text = read_message("> ")
+        except EOFError:
+            click.echo()
+            return
+        except KeyboardInterrupt:
+            if interrupted:
+                click.echo()
+                return
+            interrupted = True
+            click.echo("\n(Ctrl-C again to quit, or /exit)", err=True)
+            continue
+        interrupted = False
+        if not text.strip():
+            continue
+        if text.startswith("/"):
+            cmd, _, arg = text.strip().partition(" ")
+            try:
+                if cmd in ("/exit", "/quit"):
+                    return
+                msg = command(session, cmd, arg.strip())
+            except AhakvError as exc:
+                msg = f"error: {exc}"
+            except Exception as exc:  # a bug must not end the session and lose the conversation
+                msg = f"error: {cmd} failed: {exc.__class__.__name__}: {exc}"
+            click.echo(msg, err=True)
+            continue
+        t0 = time.perf_counter()
+        with StopOnInterrupt() as stop:  # the first Ctrl-C stops the answer, a second one exits
+            try:
+                session.answer(text, out, stop)
+            except (AhakvError, ValueError) as exc:  # e.g. the trained context is full
+                click.echo(f"\nerror: {exc}", err=True)
+        out.write("\n")
+        out.flush()
+        if stop():
+            click.echo("[answer stopped]", err=True)
+            interrupted = True
+        click.echo(session.stats_line() + f" {time.perf_counter() - t0:.1f} s", err=True)
+
+
+def command(session: ChatSession, cmd: str, arg: str) -> str:
+    if cmd == "/help":
+        return HELP
+    if cmd == "/reset":
+        session.reset()
+        return "conversation cleared"
+    if cmd == "/stats":
+        return session.stats_report()
+    if cmd == "/policy":
+        return session.set_policy(arg) if arg else f"policy: {session._controller().policy.name}"
+    if cmd == "/budget":
+        return session.set_budget(arg) if arg else f"budget: {session._controller().config.budget}"
+    if cmd in ("/save", "/load"):
+        if not arg:
+            raise AhakvError(f"usage: {cmd} FILE")
+        path = Path(os.path.expanduser(arg))
+        return session.save(path) if cmd == "/save" else session.load(path)
+    raise AhakvError(f"unknown command {cmd} (/help lists them)")
+
+
+class StopOnInterrupt:
+    """While active, the first SIGINT only raises a flag (checked between two tokens); a second one
+    raises KeyboardInterrupt as usual."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self) -> bool:
+        return self.count > 0
+
+    def _handler(self, signum, frame) -> None:
+        self.count += 1
+        if self.count > 1:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> StopOnInterrupt:
+        self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+def install_sigint_default() -> None:
+    # Python raises KeyboardInterrupt on SIGINT only with the default handler; make sure it is there
+    signal.signal(signal.SIGINT, signal.default_int_handler)

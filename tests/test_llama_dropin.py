@@ -1,0 +1,113 @@
+"""ahakv_local.Llama used exactly like llama_cpp.Llama, on Gemma 3 270M; and what a budget changes."""
+
+from __future__ import annotations
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from ahakv_local import Llama
+
+
+@pytest.fixture(scope="module")
+def plain(gemma_model):
+    return Llama(str(gemma_model), n_ctx=512, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def bounded(gemma_model):
+    return Llama(str(gemma_model), n_ctx=512, n_batch=64, kv_budget=96, kv_policy="ahakv", verbose=False)
+
+
+def test_without_a_budget_it_is_llama_cpp(gemma_model, plain):
+    reference = llama_cpp.Llama(str(gemma_model), n_ctx=512, verbose=False)
+    prompt = "The GNU General Public License is"
+    ours = plain(prompt, max_tokens=16, temperature=0)
+    theirs = reference(prompt, max_tokens=16, temperature=0)
+    assert ours["choices"][0]["text"] == theirs["choices"][0]["text"]
+    assert ours.keys() == theirs.keys() and ours["usage"] == theirs["usage"]
+    with pytest.raises(ValueError, match=r"Requested tokens \(\d+\) exceed context window of 512") as ours_err:
+        plain("word " * 600, max_tokens=4)
+    with pytest.raises(ValueError) as theirs_err:
+        reference("word " * 600, max_tokens=4)
+    assert str(ours_err.value) == str(theirs_err.value)  # the same error text
+
+
+@pytest.mark.parametrize("fixture", ["plain", "bounded"])
+def test_openai_shapes(request, fixture):
+    llm = request.getfixturevalue(fixture)
+    out = llm.create_completion("Hello", max_tokens=8, temperature=0)
+    assert out["object"] == "text_completion" and out["choices"][0]["finish_reason"] in ("length", "stop")
+    assert set(out["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+    chunks = list(llm("Hello", max_tokens=8, temperature=0, stream=True))
+    assert all(c["object"] == "text_completion" and "text" in c["choices"][0] for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == out["choices"][0]["text"]
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
+    chat = llm.create_chat_completion(messages=messages, max_tokens=8, temperature=0)
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
+    stream = list(llm.create_chat_completion(messages=messages, max_tokens=8, temperature=0, stream=True))
+    assert all(c["object"] == "chat.completion.chunk" for c in stream)
+    assert stream[0]["choices"][0]["delta"].get("role") == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in stream)
+    assert text == chat["choices"][0]["message"]["content"]
+    assert llm.tokenize(b"Hello") and llm.detokenize(llm.tokenize(b"Hello", add_bos=False)) == b"Hello"
+
+
+def test_generation_past_budget_and_n_ctx(gemma_model):
+    """4x the budget and past n_ctx, with the cells at the budget and the KV buffer sized for it."""
+    budget = 96
+    llm = Llama(str(gemma_model), n_ctx=256, n_batch=64, kv_budget=budget, kv_policy="h2o", verbose=False)
+    kv = llm.kv_controller
+    prompt = llm.tokenize(b"Write down every number from one to a thousand in words:")
+    peak = 0
+    for i, _ in enumerate(llm.generate(prompt, temp=0.8, top_k=40)):
+        peak = max(peak, kv.live.size)
+        if i + 1 + len(prompt) >= 4 * budget + 64:
+            break
+    stats = llm.kv_stats()
+    assert stats.tokens_seen >= 4 * budget and stats.tokens_seen > 256  # past n_ctx too
+    assert peak <= budget + 1 and stats.cells_used <= budget
+    assert stats.evicted == stats.tokens_seen - stats.cells_used
+    # the engine allocated budget + one chunk + 1 cells (padded to 256), not the text length
+    assert stats.kv_cells == 256 < stats.tokens_seen
+    per_cell = 18 * 1 * (256 + 256) * 2  # Gemma 3 270M: 18 layers, 1 KV head of 256, F16 K and V
+    assert stats.kv_bytes == per_cell * stats.kv_cells
+    assert llm.n_ctx() == 32768  # positions are bounded by the trained context, not by the cells
+
+
+def test_prefix_reuse_stops_at_the_first_evicted_position(gemma_model):
+    llm = Llama(str(gemma_model), n_ctx=256, n_batch=64, kv_budget=64, kv_policy="streaming", verbose=False)
+    text = b"In the beginning " * 30
+    first = llm(text.decode(), max_tokens=4, temperature=0)["choices"][0]["text"]
+    gap = llm.kv_controller.first_gap()
+    assert gap is not None and gap == 4  # streaming keeps the 4 sinks, then evicts the oldest
+    # the same prompt again: only positions before the first hole may be reused
+    calls = []
+    original = llm.kv_controller.truncate
+
+    def spy(n):
+        calls.append(n)
+        return original(n)
+
+    llm.kv_controller.truncate = spy
+    again = llm(text.decode(), max_tokens=4, temperature=0)["choices"][0]["text"]
+    assert calls and calls[0] <= gap
+    assert again == first
+    with pytest.raises(ValueError, match="state cache"):
+        llm.set_cache(llama_cpp.LlamaRAMCache())
+
+
+def test_kv_stats_and_save_load(gemma_model):
+    llm = Llama(str(gemma_model), n_ctx=256, n_batch=64, kv_budget=64, kv_policy="tova", verbose=False)
+    llm("The quick brown fox " * 20, max_tokens=8, temperature=0)
+    s = llm.kv_stats()
+    assert s.cells_used == 64 and s.budget == 64 and s.evicted == s.tokens_seen - 64
+    assert s.prompt_tps > 0 and s.generation_tps > 0 and 0 < s.retention_ratio < 1
+    state = llm.save_state()
+    live = llm.kv_controller.live.copy()
+    llm.reset()
+    llm("Something else entirely", max_tokens=2, temperature=0)
+    llm.load_state(state)
+    np.testing.assert_array_equal(llm.kv_controller.live, live)
+    np.testing.assert_array_equal(llm.kv_controller.engine.live_positions(), live)
