@@ -158,6 +158,14 @@ class Llama(llama_cpp.Llama):
             self._kv.stats.cells_used = self._kv.live.size
             self._kv.stats.tokens_seen = self.n_tokens
 
+    # -- resources --------------------------------------------------------------------------------
+
+    def __enter__(self) -> Llama:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # frees the context and the model now, not at garbage collection
+
     # -- statistics -------------------------------------------------------------------------------
 
     def _count(self, n: int, seconds: float) -> None:

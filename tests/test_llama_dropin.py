@@ -98,16 +98,30 @@ def test_prefix_reuse_stops_at_the_first_evicted_position(gemma_model):
         llm.set_cache(llama_cpp.LlamaRAMCache())
 
 
+def test_context_manager_frees_the_model(gemma_model):
+    with Llama(str(gemma_model), n_ctx=256, kv_budget=64, n_batch=64, verbose=False) as llm:
+        assert llm("Hi", max_tokens=2, temperature=0)["choices"]
+    assert llm._ctx.ctx is None and llm._model.model is None  # native resources released on exit
+
+
 def test_kv_stats_and_save_load(gemma_model):
-    llm = Llama(str(gemma_model), n_ctx=256, n_batch=64, kv_budget=64, kv_policy="tova", verbose=False)
+    llm = Llama(str(gemma_model), n_ctx=256, n_batch=64, kv_budget=64, kv_policy="ahakv", verbose=False)
     llm("The quick brown fox " * 20, max_tokens=8, temperature=0)
     s = llm.kv_stats()
     assert s.cells_used == 64 and s.budget == 64 and s.evicted == s.tokens_seen - 64
     assert s.prompt_tps > 0 and s.generation_tps > 0 and 0 < s.retention_ratio < 1
     state = llm.save_state()
     live = llm.kv_controller.live.copy()
+    engine = llm.kv_controller.engine
+    norms = [engine.stat("vnorm", il) for il in (0, 5)]  # a sliding-window layer and a full one
+    assert all(np.all(n.values > 0) for n in norms)  # ahakv writes the norms (VNORM)
     llm.reset()
     llm("Something else entirely", max_tokens=2, temperature=0)
     llm.load_state(state)
     np.testing.assert_array_equal(llm.kv_controller.live, live)
-    np.testing.assert_array_equal(llm.kv_controller.engine.live_positions(), live)
+    np.testing.assert_array_equal(engine.live_positions(), live)
+    # the restored cells sit elsewhere now (packed from cell 0); their value norms follow them
+    for il, before in zip((0, 5), norms, strict=True):
+        after = engine.stat("vnorm", il)
+        np.testing.assert_array_equal(after.positions, before.positions)
+        np.testing.assert_allclose(after.values, before.values, rtol=1e-6)
