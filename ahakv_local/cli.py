@@ -6,6 +6,7 @@ User mistakes end in one line on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -245,3 +246,64 @@ def serve(model, host, port, **engine) -> None:
     app = create_app(llm, model_name=llm.model_path.rsplit("/", 1)[-1])
     click.echo(f"serving {llm.model_path} on http://{host}:{port}/v1", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+@main.group("eval")
+def eval_group() -> None:
+    """Measure what a budget costs in quality on your own model and text."""
+
+
+@eval_group.command("ppl")
+@click.argument("model", required=False, envvar="AHAKV_MODEL")
+@click.option(
+    "--text",
+    "text_file",
+    default="/usr/share/common-licenses/GPL-3",
+    show_default=True,
+    help="Text file to stream through the model.",
+)
+@click.option("--tokens", default=1024, show_default=True, help="Tokens of the text to use.")
+@click.option("--prefix", default=128, show_default=True, help="Tokens decoded in chunks before stepping.")
+@click.option(
+    "--budgets",
+    default="128",
+    show_default=True,
+    help="Comma-separated cells (128) or fractions of the text (0.125 = 8x compression).",
+)
+@click.option("--policies", default="all", show_default=True, help="Comma-separated policy names, or all.")
+@click.option("--sinks", default=4, show_default=True)
+@click.option("--recent", default=32, show_default=True)
+@click.option("--out", "out_dir", default="eval-out", show_default=True, help="Folder for results.json/.csv/.md.")
+def eval_ppl(model, text_file, tokens, prefix, budgets, policies, sinks, recent, out_dir) -> None:
+    """Streaming perplexity, KL from the full cache and top-1 agreement per policy and budget."""
+    from .models import resolve_model
+    from .native import lib
+    from .policies import POLICIES
+    from .report import write_ppl_report
+
+    lib()
+    path = resolve_model(model, progress=True)
+    try:
+        text = open(text_file, encoding="utf-8").read()
+    except OSError as exc:
+        raise AhakvError(f"cannot read {text_file}: {exc.strerror}") from None
+    from .engine import Engine, EngineConfig
+
+    with Engine(path, EngineConfig(n_ctx=256)) as e:
+        ids = e.tokenize(text)[:tokens]
+    if len(ids) <= prefix + 1:
+        raise AhakvError(f"{text_file} has only {len(ids)} tokens; need more than --prefix {prefix}")
+    names = [p for p in POLICIES if p != "full"] if policies == "all" else policies.split(",")
+    for name in names:
+        if name not in POLICIES:
+            raise AhakvError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    cells = []
+    for b in budgets.split(","):
+        value = float(b.rstrip("%")) / (100 if b.endswith("%") else 1)
+        cells.append(int(value) if value >= 1 else max(sinks + recent + 1, round(value * len(ids))))
+    from .evaluation import evaluate
+
+    configs = [(f"{p}@{c}", p, c, {}) for c in cells for p in names]
+    results = evaluate(path, ids, configs, prefix=prefix, n_sink=sinks, n_recent=recent)
+    for line in write_ppl_report(Path(out_dir), results, path, text_file, len(ids)):
+        click.echo(line)
