@@ -129,8 +129,7 @@ class ChatSession:
 
     def set_policy(self, name: str) -> str:
         kv = self._controller()
-        kv.policy = make_policy(name)
-        kv._tap = None  # re-tap for the new policy's statistics
+        kv.set_policy(make_policy(name))
         return f"policy: {name} (its statistics start now)"
 
     def set_budget(self, text: str) -> str:
@@ -142,7 +141,7 @@ class ChatSession:
             error_tol=kv.config.budget.error_tol,
         )
         cells = self.llm.kv_stats().kv_cells
-        if b.mode == "cells" and b.value + self.llm.n_batch > cells:
+        if not kv.fits(b):
             raise AhakvError(
                 f"budget {int(b.value)} does not fit the {cells} allocated cells with a prompt chunk of "
                 f"{self.llm.n_batch}: restart with --budget {int(b.value)}"

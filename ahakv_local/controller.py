@@ -103,8 +103,7 @@ class KVController:
             raise AhakvError(f"budget {int(b.value)} is smaller than sinks + recent + newest ({parts})")
         if b.mode == "auto" and not hasattr(policy, "predicted_error"):
             raise AhakvError(f"an auto budget needs a policy with an error model (ahakv), not {policy.name}")
-        holds = engine.n_ctx >= b.value + engine.config.n_ubatch + config.evict_every
-        if b.mode == "cells" and not holds and not isinstance(policy, Full):
+        if not self.fits(b) and not isinstance(policy, Full):
             raise AhakvError(
                 f"n_ctx {engine.n_ctx} cannot hold budget {int(b.value)} + one chunk of {engine.config.n_ubatch}"
             )
@@ -136,6 +135,26 @@ class KVController:
         if self.step_count % self.config.evict_every == 0:
             self.evict()
         return logits
+
+    def fits(self, budget: Budget) -> bool:
+        """Whether the allocated cells hold this budget plus one prompt chunk and the eviction slack."""
+        need = budget.value + self.engine.config.n_ubatch + self.config.evict_every
+        return budget.mode != "cells" or self.engine.n_ctx >= need
+
+    def set_policy(self, policy: Policy) -> None:
+        """Switch policies; the new one learns from the next decode on (its statistics are tapped then)."""
+        self.policy = policy
+        self._tap = None
+        self._obs = None
+
+    def resync(self) -> None:
+        """Take the live set from the engine after its cache was replaced (a state load): the cells
+        moved, the positions did not; what the policy learned no longer matches, so it starts over."""
+        self.live = self.engine.live_positions().astype(np.int64)
+        self.policy.truncate(0)
+        self._obs = None
+        self.stats.cells_used = self.live.size
+        self.stats.tokens_seen = self.engine.n_past
 
     def truncate(self, n: int) -> None:
         """Rewind to position n: forget every position >= n (cells, bookkeeping and policy state)."""

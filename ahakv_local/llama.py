@@ -151,12 +151,8 @@ class Llama(llama_cpp.Llama):
     def load_state(self, state) -> None:
         super().load_state(state)
         if self._kv is not None:
-            # the restored cells are packed anew; positions are what they were
             self._kv_engine.n_past = self.n_tokens
-            self._kv.live = self._kv_engine.live_positions().astype(np.int64)
-            self._kv.policy.truncate(0)
-            self._kv.stats.cells_used = self._kv.live.size
-            self._kv.stats.tokens_seen = self.n_tokens
+            self._kv.resync()
 
     # -- resources --------------------------------------------------------------------------------
 

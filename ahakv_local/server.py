@@ -68,18 +68,17 @@ def create_app(llm: Llama, model_name: str) -> FastAPI:
         saved_budget, saved_policy = kv.config.budget, kv.policy
         if req.kv_budget is not None:
             b = Budget.parse(req.kv_budget)
-            cells = llm.kv_stats().kv_cells
-            if b.mode == "cells" and b.value + llm.n_batch > cells:
-                raise AhakvError(f"kv_budget {int(b.value)} exceeds this server's {cells} cells")
+            if not kv.fits(b):
+                raise AhakvError(f"kv_budget {int(b.value)} exceeds this server's {llm.kv_stats().kv_cells} cells")
             kv.config.budget = b
         if req.kv_policy is not None:
-            kv.policy = make_policy(req.kv_policy)
-            kv._tap = None
+            kv.set_policy(make_policy(req.kv_policy))
         llm.reset()  # the cached history was compressed under other settings
         try:
             yield
         finally:
-            kv.config.budget, kv.policy, kv._tap = saved_budget, saved_policy, None
+            kv.config.budget = saved_budget
+            kv.set_policy(saved_policy)
             llm.reset()
 
     def sampling(req: KVFields) -> dict:
