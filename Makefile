@@ -24,7 +24,7 @@ test: setup
 	$(PY) -m pytest
 
 bench: setup
-	$(PY) benchmarks/tap_overhead.py
+	$(PY) benchmarks/report.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ahakv_local tests benchmarks examples

@@ -141,6 +141,7 @@ class ChatSession:
             error_tol=kv.config.budget.error_tol,
         )
         cells = self.llm.kv_stats().kv_cells
+        kv.check_floor(b)
         if not kv.fits(b):
             raise AhakvError(
                 f"budget {int(b.value)} does not fit the {cells} allocated cells with a prompt chunk of "

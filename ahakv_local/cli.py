@@ -6,7 +6,6 @@ User mistakes end in one line on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 
@@ -89,6 +88,20 @@ def engine_options(f):
             envvar="AHAKV_ERROR_TOL",
             help="Auto budget: tolerated predicted relative output change.",
         ),
+        click.option(
+            "--evict-every",
+            type=int,
+            default=None,
+            envvar="AHAKV_EVICT_EVERY",
+            help="Decode steps between evictions (default 32, less for small budgets; 1 = every token).",
+        ),
+        click.option(
+            "--observe-steps",
+            default=1,
+            show_default=True,
+            envvar="AHAKV_OBSERVE_STEPS",
+            help="Steps before each eviction whose full statistics the policy reads (0 = every step).",
+        ),
         click.option("-t", "--threads", type=int, default=None, envvar="AHAKV_THREADS", help="CPU threads."),
         click.option(
             "-ngl",
@@ -113,7 +126,10 @@ def engine_options(f):
 POLICY_NAMES = ("full", "streaming", "random", "h2o", "scissorhands", "tova", "snapkv", "ahakv")
 
 
-def load_llama(model, ctx_size, budget, policy, sinks, recent, error_tol, threads, n_gpu_layers, batch_size, **extra):
+def load_llama(
+    model, ctx_size, budget, policy, sinks, recent, error_tol, evict_every, observe_steps, threads, n_gpu_layers,
+    batch_size, **extra,
+):  # fmt: skip
     """Resolve, check and load a model as an ahakv_local.Llama; every user mistake is an AhakvError."""
     from .controller import Budget
     from .info import read_info
@@ -125,6 +141,8 @@ def load_llama(model, ctx_size, budget, policy, sinks, recent, error_tol, thread
     make_policy(policy)  # a clear error for an unknown policy
     if budget is not None:
         Budget.parse(budget)  # a clear error for a malformed budget; the controller checks its size
+    if (evict_every is not None and evict_every < 1) or observe_steps < 0:
+        raise AhakvError("--evict-every must be at least 1 and --observe-steps at least 0")
     from .native import lib
 
     lib()  # refuse an unpatched or missing engine with one line, before llama_cpp is imported
@@ -146,6 +164,8 @@ def load_llama(model, ctx_size, budget, policy, sinks, recent, error_tol, thread
             kv_sinks=sinks,
             kv_recent=recent,
             kv_error_tol=error_tol,
+            kv_evict_every=evict_every,
+            kv_observe_steps=observe_steps or None,
             **extra,
         )
     except ValueError as exc:
@@ -246,61 +266,7 @@ def serve(model, host, port, **engine) -> None:
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
-@main.group("eval")
-def eval_group() -> None:
-    """Measure what a budget costs in quality on your own model and text."""
+from .cli_eval import bench_group, eval_group  # noqa: E402  (the subcommands need `main` defined first)
 
-
-@eval_group.command("ppl")
-@click.argument("model", required=False, envvar="AHAKV_MODEL")
-@click.option(
-    "--text",
-    "text_file",
-    default="/usr/share/common-licenses/GPL-3",
-    show_default=True,
-    help="Text file to stream through the model.",
-)
-@click.option("--tokens", default=1024, show_default=True, help="Tokens of the text to use.")
-@click.option("--prefix", default=128, show_default=True, help="Tokens decoded in chunks before stepping.")
-@click.option(
-    "--budgets",
-    default="128",
-    show_default=True,
-    help="Comma-separated cells (128) or fractions of the text (0.125 = 8x compression).",
-)
-@click.option("--policies", default="all", show_default=True, help="Comma-separated policy names, or all.")
-@click.option("--sinks", default=4, show_default=True)
-@click.option("--recent", default=32, show_default=True)
-@click.option("--out", "out_dir", default="eval-out", show_default=True, help="Folder for results.json/.csv/.md.")
-def eval_ppl(model, text_file, tokens, prefix, budgets, policies, sinks, recent, out_dir) -> None:
-    """Streaming perplexity, KL from the full cache and top-1 agreement per policy and budget."""
-    from .models import resolve_model
-    from .native import lib
-    from .policies import POLICIES, make_policy
-    from .report import write_ppl_report
-
-    lib()
-    path = resolve_model(model, progress=True)
-    try:
-        text = open(text_file, encoding="utf-8").read()
-    except OSError as exc:
-        raise AhakvError(f"cannot read {text_file}: {exc.strerror}") from None
-    from .engine import Engine, EngineConfig
-
-    with Engine(path, EngineConfig(n_ctx=256)) as e:
-        ids = e.tokenize(text)[:tokens]
-    if len(ids) <= prefix + 1:
-        raise AhakvError(f"{text_file} has only {len(ids)} tokens; need more than --prefix {prefix}")
-    names = [p for p in POLICIES if p != "full"] if policies == "all" else policies.split(",")
-    for name in names:
-        make_policy(name)  # a clear error for an unknown name, before any model is loaded
-    cells = []
-    for b in budgets.split(","):
-        value = float(b.rstrip("%")) / (100 if b.endswith("%") else 1)
-        cells.append(int(value) if value >= 1 else max(sinks + recent + 1, round(value * len(ids))))
-    from .evaluation import evaluate
-
-    configs = [(f"{p}@{c}", p, c, {}) for c in cells for p in names]
-    results = evaluate(path, ids, configs, prefix=prefix, n_sink=sinks, n_recent=recent)
-    for line in write_ppl_report(Path(out_dir), results, path, text_file, len(ids)):
-        click.echo(line)
+main.add_command(eval_group)
+main.add_command(bench_group)

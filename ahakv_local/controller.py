@@ -2,7 +2,9 @@
 
 After every decode call the controller reads the tapped statistics (one native reset + read per
 layer), hands them to the policy, and - every ``evict_every`` steps, or after each prefill chunk -
-evicts the lowest-scored positions outside the protected ones in one native call:
+evicts the lowest-scored positions outside the protected ones in one native call. With
+``observe_steps`` it reads only the last steps before each eviction; a policy whose score is a sum
+over query rows still gets the others, summed by the tap in the graph (cheap) and read as one block:
 
     protected = the first n_sink positions (attention sinks) + the last n_recent live positions
               + the pinned span (a system prompt) + the newest position (llama.cpp needs it)
@@ -14,6 +16,7 @@ than budget + one chunk of cells.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -67,14 +70,29 @@ class Budget:
         return {"cells": f"{int(self.value)} cells", "ratio": f"{self.value:.0%}"}.get(self.mode, "auto")
 
 
+def default_evict_every(budget: Budget, n_sink: int = 4, n_recent: int = 32) -> int:
+    """The eviction period the product uses: 32 decode steps, observed on the last one (tapping every
+    step costs a third of the decode speed; see benchmarks/RESULTS.md), shorter for a budget too
+    small to leave that much room; every step for ratio and auto budgets."""
+    if budget.mode != "cells":
+        return 1
+    return max(1, min(32, (int(budget.value) - n_sink - n_recent) // 4))
+
+
 @dataclass
 class ControllerConfig:
     budget: Budget
     n_sink: int = 4
     n_recent: int = 32
-    evict_every: int = 1  # decode steps between evictions (the cache may exceed the budget by this)
+    # decode steps between evictions: each eviction goes evict_every - 1 cells below the budget, so
+    # the cache holds the budget at every step while it grows until the next one
+    evict_every: int = 1
     pinned: tuple[int, int] | None = None  # [start, end) positions never evicted (a system prompt)
     track_mass: bool = True  # tap the model's softmax for the retained-mass statistic
+    # observe only the last observe_steps decode steps before each eviction (None: every step). The
+    # steps between run the plain graph, or - for a policy whose score sums over query rows - the
+    # graph plus the model-softmax tap, summed natively and handed over as one block
+    observe_steps: int | None = None
 
 
 @dataclass
@@ -97,10 +115,7 @@ class KVController:
     def __init__(self, engine: Engine, policy: Policy, config: ControllerConfig):
         self.engine, self.policy, self.config = engine, policy, config
         b = config.budget
-        floor = config.n_sink + config.n_recent + 1
-        if b.mode == "cells" and b.value < floor:
-            parts = f"{config.n_sink} + {config.n_recent} + 1"
-            raise AhakvError(f"budget {int(b.value)} is smaller than sinks + recent + newest ({parts})")
+        self.check_floor(b)
         if b.mode == "auto" and not hasattr(policy, "predicted_error"):
             raise AhakvError(f"an auto budget needs a policy with an error model (ahakv), not {policy.name}")
         if not self.fits(b) and not isinstance(policy, Full):
@@ -114,14 +129,15 @@ class KVController:
         self.step_count = 0
         self._tap: tuple[TapFlag, int] | None = None
         self._obs: Observation | None = None
+        self._pending = 0  # decode steps whose attention the tap has summed but nobody has read yet
         self._cache_layers = {c: engine.layer_cache.index(c) for c in sorted(set(engine.layer_cache)) if c >= 0}
 
     # -- decoding ------------------------------------------------------------------------------------
 
-    def prefill(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
-        """Decode a prompt in chunks of n_ubatch, compressing after each chunk; return the logits of the
-        last token, or of every token with ``all_logits``."""
-        chunk = self.engine.config.n_ubatch
+    def prefill(self, tokens: list[int], all_logits: bool = False, chunk: int | None = None) -> np.ndarray:
+        """Decode a prompt in chunks (of n_ubatch by default), compressing after each chunk; return the
+        logits of the last token, or of every token with ``all_logits``."""
+        chunk = chunk or self.engine.config.n_ubatch
         rows = []
         for i in range(0, len(tokens), chunk):
             rows.append(self._decode(tokens[i : i + chunk], self.policy.window, all_logits))
@@ -129,16 +145,30 @@ class KVController:
         return np.concatenate(rows) if all_logits else rows[-1]
 
     def step(self, token: int) -> np.ndarray:
-        """Decode one generated token; evict every ``evict_every`` steps."""
-        logits = self._decode([token], 1, False)
+        """Decode one generated token; evict every ``evict_every`` positions.
+
+        The schedule follows the position, not a step counter, so the same tokens meet the same
+        evictions whatever came before (a rewind, another request): greedy output is reproducible."""
+        every, watch = self.config.evict_every, self.config.observe_steps
+        phase = self.engine.n_past % every
+        observe = watch is None or phase >= every - watch
+        logits = self._decode([token], 1, False, observe)
         self.step_count += 1
-        if self.step_count % self.config.evict_every == 0:
+        if phase == every - 1:
             self.evict()
         return logits
 
+    def check_floor(self, budget: Budget) -> None:
+        """Refuse a cell budget that cannot hold the protected positions and the steps between evictions."""
+        cfg = self.config
+        if budget.mode == "cells" and budget.value < cfg.n_sink + cfg.n_recent + cfg.evict_every:
+            room = "newest" if cfg.evict_every == 1 else "one eviction period"
+            parts = f"{cfg.n_sink} + {cfg.n_recent} + {cfg.evict_every}"
+            raise AhakvError(f"budget {int(budget.value)} is smaller than sinks + recent + {room} ({parts})")
+
     def fits(self, budget: Budget) -> bool:
-        """Whether the allocated cells hold this budget plus one prompt chunk and the eviction slack."""
-        need = budget.value + self.engine.config.n_ubatch + self.config.evict_every
+        """Whether the allocated cells hold this budget plus one prompt chunk (or the newest token)."""
+        need = budget.value + self.engine.config.n_ubatch + 1
         return budget.mode != "cells" or self.engine.n_ctx >= need
 
     def set_policy(self, policy: Policy) -> None:
@@ -146,6 +176,7 @@ class KVController:
         self.policy = policy
         self._tap = None
         self._obs = None
+        self._pending = 0
 
     def resync(self) -> None:
         """Take the live set from the engine after its cache was replaced (a state load): the cells
@@ -153,6 +184,7 @@ class KVController:
         self.live = self.engine.live_positions().astype(np.int64)
         self.policy.truncate(0)
         self._obs = None
+        self._pending = 0
         self.stats.cells_used = self.live.size
         self.stats.tokens_seen = self.engine.n_past
 
@@ -162,7 +194,11 @@ class KVController:
             self.engine.truncate(n)
         self.engine.n_past = n
         self.live = self.live[self.live < n]
+        # from the start: a fresh policy (same settings), so a replay meets exactly the same decisions
+        self.policy = dataclasses.replace(self.policy) if n == 0 else self.policy
         self.policy.truncate(n)
+        self._obs = None
+        self._pending = 0  # the summed rows may include forgotten positions' queries: drop them
         self.stats.tokens_seen = n
         self.stats.cells_used = self.live.size
 
@@ -180,25 +216,43 @@ class KVController:
             flags |= TapFlag.ATTN
         return flags
 
-    def _decode(self, tokens: list[int], window: int, all_logits: bool) -> np.ndarray:
+    def _decode(self, tokens: list[int], window: int, all_logits: bool, observe: bool = True) -> np.ndarray:
         e = self.engine
         flags = self._flags(self.step_count)
-        if self._tap != (flags, window):
-            e.set_tap(flags, window)
-            self._tap = (flags, window)
+        if not observe:
+            # the norms stay current (turning them on again would recompute them all); a summing
+            # policy keeps the cheap model-softmax tap, which accumulates until the next observation
+            flags &= TapFlag.VNORM | (TapFlag.ATTN if self.policy.accumulates else TapFlag(0))
+        elif self._pending:
+            self._observe_block()
+        self._set_tap(flags, window)
         if flags & TapFlag.SIDE:
             target = self.config.budget.target(e.n_past + len(tokens)) or self.stats.budget or len(tokens)
             e.set_side_scale(self.policy.side_scale(e.n_past + len(tokens), target))
-        e.reset_stats()
+        if observe or (flags & TapFlag.ATTN and not self._pending):  # a new observation or a new block
+            e.reset_stats()
         start = e.n_past
         logits = e.decode(tokens, all_logits)
         self.live = np.concatenate([self.live, np.arange(start, e.n_past, dtype=np.int64)])
-        self._obs = self._observe(flags)
-        if flags:
-            self.policy.observe(self._obs)
+        if observe:
+            self._obs = self._observe(flags)
+            if flags:
+                self.policy.observe(self._obs)
+        elif flags & TapFlag.ATTN:
+            self._pending += 1
         self.stats.tokens_seen = e.n_past
         self.stats.cells_used = self.live.size
         return logits
+
+    def _set_tap(self, flags: TapFlag, window: int) -> None:
+        if self._tap != (flags, window):
+            self.engine.set_tap(flags, window)
+            self._tap = (flags, window)
+
+    def _observe_block(self) -> None:
+        """Hand the policy the attention the tap summed over the unobserved steps, as one observation."""
+        self.policy.observe(self._observe(self._tap[0]))
+        self._pending = 0
 
     def _observe(self, flags: TapFlag) -> Observation:
         """The tapped statistics of every layer, aligned with ``live``."""
@@ -275,7 +329,8 @@ class KVController:
             self.stats.budget = n - k
         else:
             self.stats.budget = budget.target(obs.n_seen)
-            k = min(max(0, n - self.stats.budget), order.size)
+            keep = max(1, self.stats.budget - (self.config.evict_every - 1))  # room for the steps to come
+            k = min(max(0, n - keep), order.size)
         if k == 0:
             return 0
         victims = np.sort(order[:k])

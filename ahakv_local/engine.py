@@ -183,6 +183,10 @@ class Engine:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self._model.detokenize(list(tokens)).decode(errors="replace")
 
+    def is_eog(self, token: int) -> bool:
+        """Whether ``token`` ends a generation (end of sequence, end of turn)."""
+        return bool(self._llama_cpp.llama_vocab_is_eog(self._model.vocab, token))
+
     # -- decoding ----------------------------------------------------------------------------------
 
     def decode(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:

@@ -12,14 +12,17 @@ and top-1 agreement) without storing vocabulary-sized rows.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .controller import Budget, ControllerConfig, KVController
+from .controller import Budget, ControllerConfig, KVController, default_evict_every
 from .engine import Engine, EngineConfig
 from .policies import make_policy
+
+CONTROLLER_KEYS = ("evict_every", "observe_steps")  # config params that go to the controller, not the policy
 
 
 @dataclass
@@ -35,8 +38,8 @@ class PplResult:
     top1: float = 1.0  # fraction of steps whose argmax equals the full cache's
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+def log_softmax(logits: np.ndarray, dtype=np.float64) -> np.ndarray:
+    z = logits.astype(dtype) - logits.max(axis=-1, keepdims=True).astype(dtype)
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
@@ -84,11 +87,18 @@ def _open(
     n_recent: int,
     params: dict,
     label: str,
+    step: int = 1,
 ) -> _Run:
     unbounded = policy == "full" or budget.mode != "cells"
     n_ctx = n_tokens + n_ubatch + 16 if unbounded else int(budget.value) + 2 * n_ubatch
     engine = Engine(model, EngineConfig(n_ctx=n_ctx, n_batch=n_ubatch, n_ubatch=n_ubatch))
-    ctl = KVController(engine, make_policy(policy, **params), ControllerConfig(budget, n_sink, n_recent))
+    kw = dict(params)
+    # the product's schedule when stepping token by token; in steps of several tokens, an eviction
+    # after each that leaves room for the next, so no step ever holds more than the budget
+    every = step if step > 1 else default_evict_every(budget, n_sink, n_recent)
+    schedule = {"evict_every": every, "observe_steps": 1}
+    schedule |= {k: kw.pop(k) for k in CONTROLLER_KEYS if k in kw}  # the rest configure the policy
+    ctl = KVController(engine, make_policy(policy, **kw), ControllerConfig(budget, n_sink, n_recent, **schedule))
     return _Run(label, policy, budget, params, engine, ctl)
 
 
@@ -100,12 +110,21 @@ def evaluate(
     n_ubatch: int = 64,
     n_sink: int = 4,
     n_recent: int = 32,
+    step: int = 1,
+    progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> dict[str, PplResult]:
     """Streaming perplexity, KL from the full cache and top-1 agreement for each (label, policy, budget,
-    params), plus the full cache itself under the label "full"."""
-    runs = [_open(model, len(tokens), "full", Budget("cells", 10**9), n_ubatch, n_sink, n_recent, {}, "full")]
+    params), plus the full cache itself under the label "full".
+
+    After the prefix, tokens go in ``step`` at a time (1: token by token through ``KVController.step``;
+    more: one decode call per step, every row scored, the cache brought back to the budget after
+    each, so it never holds more than budget + step cells)."""
+    if not 1 <= step <= n_ubatch:
+        raise ValueError(f"step must be between 1 and n_ubatch ({n_ubatch})")
+    full = Budget("cells", 10**9)
+    runs = [_open(model, len(tokens), "full", full, n_ubatch, n_sink, n_recent, {}, "full", step)]
     runs += [
-        _open(model, len(tokens), p, Budget.parse(b), n_ubatch, n_sink, n_recent, kw, label)
+        _open(model, len(tokens), p, Budget.parse(b), n_ubatch, n_sink, n_recent, kw, label, step)
         for label, p, b, kw in configs
     ]
     try:
@@ -117,19 +136,28 @@ def evaluate(
             run.nll += [token_nll(row, t) for row, t in zip(rows[:-1], tokens[1:prefix], strict=True)]
             run.peak = run.ctl.live.size
             last.append(rows[-1])
-        for tok in tokens[prefix:]:  # then one token at a time, all configurations in lockstep
-            reference = log_softmax(last[0])
+        for start in range(prefix, len(tokens), step):  # then all configurations in lockstep
+            chunk = tokens[start : start + step]
+            reference = None
             for i, run in enumerate(runs):
-                logp = reference if i == 0 else log_softmax(last[i])
-                run.nll.append(float(-logp[tok]))
-                if i:
-                    p = np.exp(reference)
-                    run.kl.append(float(np.sum(p * (reference - logp))))
-                    run.top1.append(bool(np.argmax(logp) == np.argmax(reference)))
                 t0 = time.perf_counter()
-                last[i] = run.ctl.step(tok)
+                if step == 1:
+                    rows = run.ctl.step(chunk[0])[None]
+                else:
+                    rows = run.ctl.prefill(chunk, all_logits=True, chunk=step)
                 run.seconds += time.perf_counter() - t0
                 run.peak = max(run.peak, run.ctl.live.size)
+                # the logits that predicted this chunk: the previous call's last row, then this call's
+                # float32: 262K-entry rows, and float32 sums are exact to ~1e-6 relative here
+                logp = log_softmax(np.vstack([last[i][None], rows[:-1]]), np.float32)
+                last[i] = rows[-1]
+                run.nll += (-logp[np.arange(len(chunk)), chunk]).astype(np.float64).tolist()
+                if i == 0:
+                    reference, p_ref = logp, np.exp(logp)
+                else:
+                    run.kl += np.sum(p_ref * (reference - logp), axis=1, dtype=np.float64).tolist()
+                    run.top1 += (np.argmax(logp, axis=1) == np.argmax(reference, axis=1)).tolist()
+            progress(min(start + step, len(tokens)), len(tokens))
         return {run.label: run.result(len(tokens)) for run in runs}
     finally:
         for run in runs:

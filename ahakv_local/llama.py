@@ -2,13 +2,15 @@
 
 Without ``kv_budget`` it *is* llama_cpp.Llama (same code path, same errors). With one:
 
-- the KV buffer holds ``budget + n_batch + kv_evict_every`` cells (llama.cpp pads to 256), however
+- the KV buffer holds ``budget + n_batch + 1`` cells (llama.cpp pads to 256), however
   long the text: positions run up to the model's trained context, far past the cells, so
   ``n_ctx()`` reports the trained context and completions are bounded by it;
 - ``eval`` decodes through the eviction controller (prompt in n_ubatch chunks, compressed after
-  each; then one token at a time), keeping the cache at the budget;
-- prefix reuse stays honest: before each new prompt, the reusable prefix ends at the first evicted
-  position, so a prompt that shares a compressed history is re-evaluated from there. With
+  each; then one token at a time, evicting every ``kv_evict_every`` steps - 32 by default - after
+  observing the last ``kv_observe_steps``), keeping the cache at the budget at every step;
+- prefix reuse stays honest: a prompt that extends the whole cached sequence continues it; any other
+  is read from the start with a fresh policy (the cache may have holes, and the policy's statistics
+  cannot be rewound), so the same request always gets the same answer. With
   ``kv_reuse_compressed=True`` (what the chat uses) the compressed history is reused on purpose;
 - the token-keyed state cache (``set_cache``) is refused: it would hand back lossy states as exact.
 """
@@ -22,7 +24,7 @@ from dataclasses import asdict, dataclass
 import llama_cpp
 import numpy as np
 
-from .controller import Budget, ControllerConfig, ControllerStats, KVController
+from .controller import Budget, ControllerConfig, ControllerStats, KVController, default_evict_every
 from .engine import Engine
 from .errors import AhakvError
 from .policies import make_policy
@@ -58,7 +60,8 @@ class Llama(llama_cpp.Llama):
         kv_error_tol: float = 0.05,
         kv_min_ratio: float = 0.10,
         kv_max_ratio: float = 0.40,
-        kv_evict_every: int = 1,
+        kv_evict_every: int | None = None,
+        kv_observe_steps: int | None = 1,
         kv_pinned: tuple[int, int] | None = None,
         kv_reuse_compressed: bool = False,
         n_ctx: int = 512,
@@ -77,13 +80,17 @@ class Llama(llama_cpp.Llama):
         if kwargs.get("logits_all"):
             raise AhakvError("logits_all keeps a row of logits per position; it cannot be combined with kv_budget")
         n_batch = min(n_batch, n_ctx) if budget.mode != "cells" else n_batch
+        if kv_evict_every is None:
+            kv_evict_every = default_evict_every(budget, kv_sinks, kv_recent)
         # cells: the budget plus one prompt chunk; ratio/auto: the caller's n_ctx bounds the cells
-        cells = int(budget.value) + n_batch + kv_evict_every if budget.mode == "cells" else n_ctx
+        cells = int(budget.value) + n_batch + 1 if budget.mode == "cells" else n_ctx
         super().__init__(model_path, n_ctx=cells, n_batch=n_batch, **kwargs)
 
         engine = Engine.attach(self)
         self._kv_engine = engine
-        config = ControllerConfig(budget, kv_sinks, kv_recent, kv_evict_every, kv_pinned)
+        config = ControllerConfig(
+            budget, kv_sinks, kv_recent, kv_evict_every, kv_pinned, observe_steps=kv_observe_steps
+        )
         self._kv = KVController(engine, policy, config)
         self._kv_reuse_compressed = kv_reuse_compressed
         # positions, not cells, bound a sequence now: re-size llama-cpp-python's per-position arrays
@@ -135,13 +142,19 @@ class Llama(llama_cpp.Llama):
             self._requires_eval = False
 
     def generate(self, tokens: Sequence[int], *args, **kwargs):
-        if self._kv is not None and not self._kv_reuse_compressed:
-            gap = self._kv.first_gap()
-            if gap is not None and gap < self.n_tokens:
-                # llama-cpp-python would reuse every matching position as if intact: stop at the first hole
-                self.n_tokens = gap
-                self._requires_eval = True
+        if self._kv is not None and not self._kv_reuse_compressed and self._needs_rewind(tokens):
+            # llama-cpp-python would rewind to the longest matching prefix and reuse it as if intact. The
+            # cached values may have holes, and the policy's statistics include queries that a rewind
+            # removes and cannot be taken back: read the prompt from the start with a fresh policy, so
+            # the same request meets the same evictions and gets the same answer
+            self.n_tokens = 0
+            self._requires_eval = True
         return super().generate(tokens, *args, **kwargs)
+
+    def _needs_rewind(self, tokens: Sequence[int]) -> bool:
+        """Whether ``tokens`` fails to extend the whole cached sequence (llama-cpp-python would rewind)."""
+        n = self.n_tokens
+        return n > 0 and (len(tokens) <= n or list(self._input_ids[:n]) != list(tokens[:n]))
 
     def reset(self):
         super().reset()

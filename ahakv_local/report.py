@@ -1,4 +1,5 @@
-"""Evaluation outputs: every figure with its configuration, as JSON, CSV and a Markdown table."""
+"""Evaluation and benchmark outputs: every figure with its configuration and provenance (results.json),
+results.csv, a Markdown table (results.md) and PNG plots."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from .bench import LongRow, SpeedRow
 from .evaluation import PplResult
+from .needle import NeedleTrial, accuracy_table
 
 
 def file_sha256(path: Path) -> str:
@@ -36,27 +39,97 @@ def provenance(model: Path, text: str, tokens: int) -> dict:
     }
 
 
-def write_ppl_report(out: Path, results: dict[str, PplResult], model: Path, text: str, tokens: int) -> list[str]:
-    """Write results.json/.csv/.md under ``out``; return the Markdown table's lines."""
+def _write(out: Path, meta: dict, rows: list[dict], fields: list[str], lines: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    meta = provenance(model, text, tokens)
-    rows = [{"label": label, **asdict(r)} for label, r in results.items()]
     (out / "results.json").write_text(json.dumps({"config": meta, "results": rows}, indent=1))
     with open(out / "results.csv", "w", newline="") as f:
-        fields = ["label", "policy", "budget", "tokens", "ppl", "kl", "top1", "max_cells", "seconds"]
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def write_ppl_report(
+    out: Path, results: dict[str, PplResult], model: Path, text: str, tokens: int, step: int = 1
+) -> list[str]:
+    """results.json/.csv/.md and ppl_vs_budget.png under ``out``; return the Markdown table's lines."""
+    from .plots import plot_ppl
+
+    meta = provenance(model, text, tokens) | {"step": step}
+    rows = [{"label": label, **asdict(r)} for label, r in results.items()]
     full = results["full"].ppl
     lines = [
-        f"# streaming perplexity: {model.name}, {tokens} tokens of {text}",
+        f"# streaming perplexity: {model.name}, {tokens} tokens of {text}, {step} token(s) per step",
         "",
-        "| policy | budget | ppl | vs full | KL (nats) | top-1 |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| configuration | budget | compression | ppl | vs full | KL (nats) | top-1 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in results.values():
+    for label, r in results.items():
+        ratio = tokens / int(r.budget.split()[0]) if label != "full" else 1.0
+        name = label.split("@")[0]
         lines.append(
-            f"| {r.policy} | {r.budget} | {r.ppl:.3f} | {100 * (r.ppl / full - 1):+.1f}% | {r.kl:.4f} | {r.top1:.3f} |"
+            f"| {name} | {r.budget if label != 'full' else '-'} | {ratio:.1f}x | {r.ppl:.3f} | "
+            f"{100 * (r.ppl / full - 1):+.1f}% | {r.kl:.4f} | {r.top1:.3f} |"
         )
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    plot_ppl(results, tokens, out / "ppl_vs_budget.png", f"{model.name}: {Path(text).name}, {tokens} tokens")
+    fields = ["label", "policy", "budget", "tokens", "ppl", "kl", "top1", "max_cells", "seconds"]
+    _write(out, meta, rows, fields, lines)
+    return lines
+
+
+def write_needle_report(out: Path, trials: list[NeedleTrial], model: Path, filler: str) -> list[str]:
+    """results.json/.csv/.md of the passkey trials; return the Markdown table's lines."""
+    meta = provenance(model, filler, max(t.length for t in trials))
+    lines = [f"# passkey retrieval: {model.name}, filler {filler}", "", *accuracy_table(trials)]
+    fields = ["policy", "budget", "length", "depth", "key", "answer", "solved", "max_cells"]
+    _write(out, meta, [asdict(t) for t in trials], fields, lines)
+    return lines
+
+
+def write_speed_report(
+    out: Path,
+    app: list[SpeedRow],
+    core: list[SpeedRow],
+    long: list[LongRow],
+    model: Path,
+    texts: list[str],
+    settings: dict,
+) -> list[str]:
+    """results.json/.csv/.md and long_run.png under ``out``; return the Markdown lines."""
+    from .plots import plot_long_run
+
+    meta = provenance(model, ",".join(texts), max([r.context for r in long], default=0)) | settings
+    rows = [{"table": "generate", **asdict(r)} for r in app] + [{"table": "engine", **asdict(r)} for r in core]
+    rows += [{"table": "long", **asdict(r)} for r in long]
+    lines = [f"# speed: {model.name}, budget {app[0].budget} cells", ""]
+    for title, table in (("through Llama.generate (greedy)", app), ("engine only (llama_decode, no sampling)", core)):
+        lines += [
+            f"## {title}",
+            "",
+            "| run | live cells | prompt tok/s | decode tok/s | ratio to plain | KV MiB |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r.label} | {r.live_cells:.0f} | {r.prompt_tps:.1f} | {r.decode_tps:.2f} | {r.ratio:.3f} | "
+            f"{r.kv_bytes / 2**20:.1f} |"
+            for r in table
+        ]
+        lines.append("")
+    if long:
+        lines += [
+            "## long run: full cache vs budget",
+            "",
+            "| run | context | prompt tok/s | decode tok/s | KV in use MiB | KV allocated MiB |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r.label} | {r.context} | {r.prompt_tps:.1f} | {r.decode_tps:.2f} | {r.kv_bytes_used / 2**20:.1f} | "
+            f"{r.kv_bytes_allocated / 2**20:.1f} |"
+            for r in long
+        ]
+        out.mkdir(parents=True, exist_ok=True)
+        plot_long_run(long, out / "long_run.png", f"{model.name}: full cache vs budget {app[0].budget}")
+    fields = sorted({k for r in rows for k in r if k != "decode_runs"}, key=lambda k: (k != "table", k))
+    _write(out, meta, rows, fields, lines)
     return lines

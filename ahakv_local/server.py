@@ -68,6 +68,7 @@ def create_app(llm: Llama, model_name: str) -> FastAPI:
         saved_budget, saved_policy = kv.config.budget, kv.policy
         if req.kv_budget is not None:
             b = Budget.parse(req.kv_budget)
+            kv.check_floor(b)
             if not kv.fits(b):
                 raise AhakvError(f"kv_budget {int(b.value)} exceeds this server's {llm.kv_stats().kv_cells} cells")
             kv.config.budget = b

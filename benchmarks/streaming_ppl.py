@@ -19,14 +19,7 @@ from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.evaluation import streaming_perplexity
 from ahakv_local.models import resolve_model
 from ahakv_local.policies import POLICIES
-
-ABLATIONS = {
-    "ahakv -sg_softmax": {"sg_softmax": False},
-    "ahakv -value_prior": {"value_prior": False},
-    "ahakv -holistic_weights": {"holistic_weights": False},
-    "ahakv -error_model": {"error_model": False},
-    "ahakv -error_model -value_prior": {"error_model": False, "value_prior": False},
-}
+from ahakv_local.policies.ahakv import ABLATIONS
 
 
 def main() -> None:

@@ -34,8 +34,13 @@ def test_chat_session(chat, tmp_path):
     c = chat
     c.expect("> ")
     c.sendline("Hello! Please tell me about the history of tea.")
+    c.expect("tea.\r\n")  # the echo of the line: the answer starts now
+    time.sleep(2.5)  # well inside its 200 tokens
+    c.sendintr()  # the first Ctrl-C stops the answer, the chat goes on
+    c.expect(r"\[answer stopped\]")
     c.expect(STATS)
     seen_first = int(c.match.group(4))
+    assert seen_first < 200  # stopped early
     c.expect("> ")
     c.sendline("And what about coffee?")  # the second turn decodes only the new message
     c.expect(STATS)
@@ -51,17 +56,14 @@ def test_chat_session(chat, tmp_path):
 
     c.sendline("/budget 64")
     c.expect(r"budget: 64 cells \(evicted (\d+) now\)")
-    assert used <= 64 or int(c.match.group(1)) == used - 64
+    # what remains is within the budget, less the room left for the steps until the next eviction
+    assert used <= 64 or 64 - 32 <= used - int(c.match.group(1)) <= 64
     c.expect("> ")
     c.sendline("/budget 5000")
     c.expect("error: budget 5000 does not fit")
     c.expect("> ")
 
     c.sendline("Write a very long poem about the sea, with many verses.")
-    c.expect("verses.\r\n")  # the echo of the line: the answer starts now
-    time.sleep(2.5)  # well inside a 200-token answer
-    c.sendintr()  # the first Ctrl-C stops the answer, the chat goes on
-    c.expect(r"\[answer stopped\]")
     c.expect(STATS)
     used, budget, *_ = map(int, c.match.groups())
     assert budget == 64 and used <= 64

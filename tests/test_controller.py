@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from ahakv_local.controller import Budget, ControllerConfig, KVController
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.errors import AhakvError
+from ahakv_local.native import TapFlag
 from ahakv_local.policies import POLICIES, make_policy
 
 EVICTING = sorted(set(POLICIES) - {"full"})
@@ -27,15 +28,19 @@ def engine_for(path) -> Engine:
     n_sink=st.integers(0, 4),
     n_recent=st.integers(0, 16),
     every=st.integers(1, 4),
+    watch=st.one_of(st.none(), st.integers(1, 4)),
     pin=st.tuples(st.integers(0, 30), st.integers(0, 12)),
     prompt=st.integers(1, 150),
     steps=st.integers(1, 60),
 )
 def test_controller_invariants(
-    fixture_model, license_text, policy, budget, n_sink, n_recent, every, pin, prompt, steps
+    fixture_model, license_text, policy, budget, n_sink, n_recent, every, watch, pin, prompt, steps
 ):  # one decode/evict history per example
     pinned = (pin[0], pin[0] + pin[1])
-    cfg = ControllerConfig(Budget.parse(budget), n_sink=n_sink, n_recent=n_recent, evict_every=every, pinned=pinned)
+    watch = min(watch, every) if watch else None
+    cfg = ControllerConfig(
+        Budget.parse(budget), n_sink=n_sink, n_recent=n_recent, evict_every=every, pinned=pinned, observe_steps=watch
+    )
     with engine_for(fixture_model) as e:
         tokens = e.tokenize(license_text)[: prompt + steps]
         c = KVController(e, make_policy(policy), cfg)
@@ -58,7 +63,7 @@ def test_controller_invariants(
         check(0)
         for tok in tokens[prompt:]:
             c.step(tok)
-            check(every - 1)  # between evictions the cache grows by at most evict_every - 1
+            check(0)  # evictions leave room for the steps until the next one: the budget holds at every step
 
         for before, victims in evictions:
             assert not np.any(victims < n_sink), "a sink was evicted"
@@ -83,6 +88,62 @@ def test_long_prompt_never_needs_more_than_budget_plus_a_chunk(fixture_model, li
             c.evict()
         assert peak <= budget + CHUNK
         assert c.live.size == budget
+
+
+@pytest.mark.parametrize("policy_name", ["ahakv", "tova"])
+def test_observe_steps_tap_only_the_steps_before_each_eviction(fixture_model, license_text, policy_name):
+    every, watch, prompt = 8, 2, 60
+    with engine_for(fixture_model) as e:
+        tokens = e.tokenize(license_text)[:140]
+        policy = make_policy(policy_name)
+        observed = []  # (tokens seen, query rows) of every observation the policy gets
+        observe = policy.observe
+        policy.observe = lambda obs: (observed.append((obs.n_seen, obs.n_rows)), observe(obs))
+        cfg = ControllerConfig(Budget.parse(64), n_recent=8, evict_every=every, observe_steps=watch)
+        c = KVController(e, policy, cfg)
+        c.prefill(tokens[:prompt])
+        observed.clear()
+        flags, prefill_evictions = [], c.stats.evictions
+        for tok in tokens[prompt:]:
+            c.step(tok)
+            flags.append(c._tap[0])
+        steps = range(len(tokens) - prompt)
+        # positions 6 and 7 of every eight are observed; eviction follows position 7
+        tapped = [i for i in steps if (prompt + i) % every >= every - watch]
+        expected, pending = [], 0
+        for i in steps:
+            if i not in tapped:
+                pending += 1
+                continue
+            if policy.accumulates and pending:
+                # the steps since the last observation, summed by the tap, come first as one block
+                expected.append((prompt + i, pending))
+            expected.append((prompt + i + 1, 1))
+            pending = 0
+        assert observed == expected
+        # unobserved steps run the plain graph (+ the summed softmax for a summing policy); the norms
+        # keep being written either way, so they never need recomputing
+        quiet = TapFlag.ATTN * policy.accumulates | (policy.needs & TapFlag.VNORM)
+        assert all(flags[i] == (policy.needs | TapFlag.ATTN if i in tapped else quiet) for i in steps)
+        assert c.live.size <= 64 and c.stats.evictions - prefill_evictions == sum(
+            (prompt + i) % every == 7 for i in steps
+        )
+
+
+def test_a_summed_block_scores_like_its_steps_observed_one_by_one(fixture_model, license_text):
+    """H2O's score is a sum over query rows: observing every step or summing six in the graph and
+    observing them at once must give the same scores (a second code path for the block)."""
+    scores = []
+    for watch in (None, 2):
+        with engine_for(fixture_model) as e:
+            tokens = e.tokenize(license_text)[:136]  # ends on an observed step (position 135): nothing left pending
+            cfg = ControllerConfig(Budget.parse(400), n_recent=8, evict_every=8, observe_steps=watch)  # no eviction
+            c = KVController(e, make_policy("h2o"), cfg)
+            c.prefill(tokens[:60])
+            for tok in tokens[60:]:
+                c.step(tok)
+            scores.append(c.policy.acc.get(c.live).copy())
+    np.testing.assert_allclose(scores[1], scores[0], rtol=1e-5)
 
 
 def test_ratio_budget_follows_tokens_seen(fixture_model, license_text):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.evaluation import evaluate, log_softmax
@@ -30,6 +31,17 @@ def test_streaming_full_cache_equals_one_pass_perplexity(fixture_model, gemma_mo
         tokens = e.tokenize(license_text)[:300]
     streamed = evaluate(gemma_model, tokens, [], prefix=64)["full"].ppl
     assert abs(streamed / one_pass_ppl(gemma_model, tokens) - 1) < 0.015
+
+
+def test_stepping_in_chunks_scores_every_token_and_holds_the_budget(fixture_model, license_text):
+    with Engine(fixture_model, EngineConfig(n_ctx=256)) as e:
+        tokens = e.tokenize(license_text)[:300]
+    one_pass = one_pass_ppl(fixture_model, tokens)
+    results = evaluate(fixture_model, tokens, [("h2o", "h2o", 64, {})], prefix=64, step=16)
+    assert abs(results["full"].ppl / one_pass - 1) < 1e-5  # F32 fixture: chunked == one pass
+    assert results["h2o"].max_cells <= 64 and results["h2o"].ppl != results["full"].ppl  # held at every step
+    by_token = evaluate(fixture_model, tokens, [("h2o", "h2o", 64, {})], prefix=64, step=1)
+    assert by_token["full"].ppl == pytest.approx(results["full"].ppl, rel=1e-5)
 
 
 def test_kl_of_the_full_cache_against_itself_is_zero(fixture_model, license_text):
@@ -75,3 +87,4 @@ def test_eval_ppl_command_writes_every_output(fixture_model, tmp_path):
     assert data["config"]["model_sha256"] and data["config"]["patch_sha256"] and data["config"]["tokens"] == 160
     assert (out / "results.csv").read_text().count("\n") == 6
     assert "| ahakv | 80 cells |" in (out / "results.md").read_text()
+    assert (out / "ppl_vs_budget.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -91,6 +91,29 @@ def test_decode_tap_single_token(fixture_model, ref, license_text):
             assert_close(e.stat("verr", il).values, verr, VERR_RTOL, f"decode verr layer {il}")
 
 
+def test_tap_switched_off_and_on(fixture_model, ref, license_text):
+    """The controller taps a few steps per eviction period: switching must not reuse a stale graph, and
+    tokens decoded with the norms off get theirs when the norms come back on."""
+    with make_engine(fixture_model) as e:
+        toks = tokens_of(e, license_text, 50)
+        e.set_tap(ALL, 1)
+        e.decode(toks[:40])
+        e.set_tap(TapFlag(0), 1)  # plain graph: no statistics, no norms written
+        for t in range(40, 47):
+            e.decode([toks[t]])
+        e.set_tap(ALL, 1)
+        for t in range(47, 50):
+            e.reset_stats()
+            logits = e.decode([toks[t]])
+        ref_logits, traces = ref.forward(toks)
+        assert_close(logits, ref_logits[49], 1e-4, "logits")
+        for il, tr in enumerate(traces):
+            assert_close(e.stat("attn", il).values, tr.p[:, 49, :], 1e-4, f"attn layer {il}")
+            assert_close(e.stat("vnorm", il).values, np.linalg.norm(tr.v, axis=-1).T, 1e-5, f"vnorm {il}")
+            verr = reconstruction_term(tr.p, tr.v, tr.o, slice(49, 50), e.n_head // e.n_head_kv)
+            assert_close(e.stat("verr", il).values, verr, VERR_RTOL, f"verr layer {il}")
+
+
 @pytest.mark.parametrize("flash_attn", [False, True])
 def test_side_pass_scale(fixture_model, license_text, flash_attn):
     """softmax(s * logits) from the model's own Q and K (read through cb_eval); s is a graph input,

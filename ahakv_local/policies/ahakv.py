@@ -38,6 +38,7 @@ from .snapkv import avg_pool
 class AhaKV(Policy):
     name = "ahakv"
     window = 32  # prefill: the last r rows of each chunk
+    accumulates = True
 
     r: int = 32  # recent accumulation window (queries)
     sg_softmax: bool = True  # (a) sharpen the scoring softmax by lambda(n)
@@ -49,6 +50,7 @@ class AhaKV(Policy):
 
     ring: RecentSum = field(init=False)
     weights: np.ndarray | None = field(default=None, init=False)
+    _distance: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.ring = RecentSum(self.r)
@@ -116,13 +118,32 @@ class AhaKV(Policy):
         w = self._update_weights(obs)
         mass = obs.side if self.sg_softmax and obs.side is not None else obs.attn
         if self.error_model and obs.verr is not None:
-            mass = mass * self._relative_distance(obs)
+            self._distance = (obs.positions, self._relative_distance(obs))
+            mass = mass * self._distance[1]
+        elif self.error_model and self._distance is not None:
+            mass = mass * self._last_distance(obs.positions)
         elif self.value_prior and obs.vnorm is not None:
             mass = mass * self._value_prior(obs)
-        self.ring.push(obs.positions, holistic_sum(mass, obs.visible, w))
+        self.ring.push(obs.positions, holistic_sum(mass, obs.visible, w), obs.n_rows)
+
+    def _last_distance(self, positions: np.ndarray) -> np.ndarray:
+        """The relative distances of the last observation that measured them (decode steps the tap only
+        summed attention for carry none: values move slowly next to the output); positions new since
+        then get their head's median."""
+        known, dist = self._distance
+        idx = np.minimum(np.searchsorted(known, positions), known.size - 1)
+        found = known[idx] == positions
+        median = np.median(dist, axis=2, keepdims=True)
+        return np.where(found[None, None, :], dist[:, :, idx], median)
 
     def score(self, obs: Observation) -> np.ndarray:
         return self.ring.get(obs.positions)
+
+    def truncate(self, n: int) -> None:
+        super().truncate(n)
+        if self._distance is not None:
+            known, dist = self._distance
+            self._distance = (known[known < n], dist[:, :, known < n]) if (known < n).any() else None
 
     def predicted_error(self, obs: Observation, order: np.ndarray) -> np.ndarray:
         """Predicted relative change of the heads' outputs, weighted over layers and heads, when
@@ -140,3 +161,12 @@ class AhaKV(Policy):
         w = self.weights / self.weights.mean() if self.holistic_weights and self.weights is not None else None
         w = np.ones(bound.shape[:2]) if w is None else w
         return np.einsum("lh,lhk->k", w, bound) / w.sum()
+
+
+# each component of AhaKV switched off in turn (labels as in the reports)
+ABLATIONS: dict[str, dict[str, bool]] = {
+    "ahakv -sg_softmax": {"sg_softmax": False},
+    "ahakv -value_prior": {"value_prior": False},
+    "ahakv -holistic_weights": {"holistic_weights": False},
+    "ahakv -error_model": {"error_model": False},
+}

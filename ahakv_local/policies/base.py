@@ -81,40 +81,47 @@ class ByPosition:
 
 
 class RecentSum:
-    """The sum of the last ``r`` per-step contributions, by position (AhaKV's recent accumulation,
-    SnapKV's observation window, Scissorhands' history window): every token older than r steps is
-    judged on exactly r terms."""
+    """The sum of the per-row contributions of the last ``r`` query rows, by position (AhaKV's recent
+    accumulation, SnapKV's observation window, Scissorhands' history window): every token older than
+    r rows is judged on exactly r of them. A push may carry several rows at once (a prompt chunk, or
+    decode steps the tap accumulated natively); pushes are kept whole."""
 
     def __init__(self, r: int) -> None:
         self.r = r
         self.total = ByPosition()
-        self.steps: list[tuple[np.ndarray, np.ndarray]] = []
+        self.steps: list[tuple[np.ndarray, np.ndarray, int]] = []
+        self.rows = 0
 
-    def push(self, positions: np.ndarray, values: np.ndarray) -> None:
+    def push(self, positions: np.ndarray, values: np.ndarray, rows: int = 1) -> None:
         self.total.add(positions, values)
-        self.steps.append((positions, values))
-        if len(self.steps) > self.r:
-            old_pos, old_val = self.steps.pop(0)
+        self.steps.append((positions, values, rows))
+        self.rows += rows
+        while len(self.steps) > 1 and self.rows - self.steps[0][2] >= self.r:
+            old_pos, old_val, old_rows = self.steps.pop(0)
             self.total.add(old_pos, -old_val)
+            self.rows -= old_rows
 
     def get(self, positions: np.ndarray) -> np.ndarray:
         return self.total.get(positions)
 
     def truncate(self, n: int) -> None:
         self.total.truncate(n)
-        self.steps = [(p[p < n], v[p < n]) for p, v in self.steps]
+        self.steps = [(p[p < n], v[p < n], rows) for p, v, rows in self.steps]
 
 
 class Policy:
     """Base class: one keep-score per live position.
 
     needs: the statistics to tap; window: query rows per prefill chunk to tap (0 = all; decode
-    steps are always one row).
+    steps are always one row); accumulates: the score is a sum over query rows, so the model's
+    softmax of several decode steps may be summed in the graph and observed at once (the controller
+    does so between its observation steps, see ControllerConfig.observe_steps).
     """
 
     name: ClassVar[str]
     needs: ClassVar[TapFlag] = TapFlag(0)
     window: ClassVar[int] = 1
+    accumulates: ClassVar[bool] = False
 
     def tap_flags(self, step: int) -> TapFlag:
         """The statistics for the decode call of this step (a policy may skip costly ones)."""

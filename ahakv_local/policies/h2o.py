@@ -18,6 +18,7 @@ class H2O(Policy):
     name = "h2o"
     needs = TapFlag.ATTN
     window = 0  # every prompt row counts
+    accumulates = True
     recent_ratio: float = 0.5
     acc: ByPosition = field(default_factory=ByPosition, init=False)
 

@@ -27,6 +27,7 @@ class SnapKV(Policy):
     name = "snapkv"
     needs = TapFlag.ATTN
     window = 32
+    accumulates = True
     w: int = 32
     kernel: int = 7
     recent: RecentSum = field(init=False)
@@ -35,7 +36,7 @@ class SnapKV(Policy):
         self.recent = RecentSum(self.w)
 
     def observe(self, obs: Observation) -> None:
-        self.recent.push(obs.positions, holistic_sum(obs.attn, obs.visible))
+        self.recent.push(obs.positions, holistic_sum(obs.attn, obs.visible), obs.n_rows)
 
     def score(self, obs: Observation) -> np.ndarray:
         return avg_pool(self.recent.get(obs.positions), self.kernel)

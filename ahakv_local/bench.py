@@ -1,0 +1,288 @@
+"""Speed and memory: plain llama-cpp-python against each policy at the same live cells, and a long run.
+
+Both sides are driven the way an app drives them (``generate`` and ``eval`` of llama-cpp-python) on
+the same patched engine. The plain ``llama_cpp.Llama`` runs upstream's graph (no statistics), so a
+ratio is exactly what the policy costs.
+
+- ``speed_at_budget``: every policy reads a text of 2x the budget (so its cache is full and evicting),
+  then generates; the plain run reads just enough of the text to hold the same mean number of live
+  cells while it generates. Configurations are interleaved round by round; medians are reported.
+- ``long_run``: the full cache and one budgeted policy read the same long text up to each checkpoint
+  (the model's trained context at most) and decode a few tokens there: tokens/s and KV memory against
+  context length.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+from .controller import Budget, default_evict_every
+from .engine import Engine
+from .llama import Llama
+
+
+@dataclass
+class SpeedRow:
+    label: str  # "plain" or the policy's name
+    budget: int
+    live_cells: float  # mean live cells while generating
+    prompt_tokens: int
+    prompt_tps: float  # median over rounds
+    decode_tps: float  # median over rounds
+    kv_bytes: int  # the KV buffer as allocated
+    ratio: float = 1.0  # decode_tps / plain's
+    decode_runs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class LongRow:
+    label: str  # "full" or "<policy>@<budget>"
+    context: int  # tokens read before the decode
+    prompt_tps: float  # over the segment since the previous checkpoint
+    decode_tps: float
+    kv_cells_used: int
+    kv_bytes_used: int  # used cells x bytes per cell
+    kv_bytes_allocated: int
+
+
+def _quiet(model: Path, **kw) -> dict:
+    return {"model_path": str(model), "verbose": False, **kw}
+
+
+def _timed_generate(llm: llama_cpp.Llama, prompt: list[int], n: int, live: Callable[[], int]):
+    """(prompt seconds, decode seconds for n - 1 tokens, mean live cells while decoding)."""
+    llm.reset()
+    t0 = time.perf_counter()
+    cells = []
+    it = llm.generate(prompt, temp=0.0, top_k=1)
+    next(it)  # the first token: the prompt's cost
+    t1 = time.perf_counter()
+    for _ in range(n - 1):
+        next(it)
+        cells.append(live())
+    t2 = time.perf_counter()
+    it.close()
+    return t1 - t0, t2 - t1, float(np.mean(cells))
+
+
+def _plain_prompt(budget: int, evict_every: int, decode_tokens: int) -> int:
+    """A policy run holds budget - evict_every + 1 .. budget cells while it generates; the plain run
+    grows from its prompt by the tokens it generates: start it so the means match."""
+    return max(1, round(budget - (evict_every - 1) / 2 - decode_tokens / 2))
+
+
+def _interleave(runs: dict[str, Callable[[], tuple]], rounds: int, progress) -> dict[str, list[tuple]]:
+    """Call every run once per round, rotating the order so drift of the machine hits all alike."""
+    times: dict[str, list[tuple]] = {name: [] for name in runs}
+    for rnd in range(rounds):
+        names = list(runs)
+        for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
+            progress(f"round {rnd + 1}/{rounds}: {name}")
+            times[name].append(runs[name]())
+    return times
+
+
+def speed_at_budget(
+    model: Path,
+    tokens: list[int],
+    budget: int,
+    policies: list[str],
+    decode_tokens: int = 64,
+    rounds: int = 5,
+    batch: int = 64,
+    evict_every: int | None = None,
+    observe_steps: int | None = 1,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[SpeedRow]:
+    """Prompt and decode tokens/s of plain llama-cpp-python and of each policy at ``budget`` live cells,
+    through ``Llama.generate`` (greedy), as an app sees them."""
+    if len(tokens) < 2 * budget:
+        raise ValueError(f"need {2 * budget} tokens of text for budget {budget}, have {len(tokens)}")
+    evict_every = evict_every or default_evict_every(Budget("cells", budget))
+    plain_prompt = _plain_prompt(budget, evict_every, decode_tokens)
+    models: dict[str, tuple[llama_cpp.Llama, list[int], Callable[[], int]]] = {}
+    plain = llama_cpp.Llama(**_quiet(model, n_ctx=budget + evict_every + decode_tokens + batch, n_batch=batch))
+    models["plain"] = (plain, tokens[:plain_prompt], lambda: plain.n_tokens)
+    for name in policies:
+        llm = Llama(
+            **_quiet(model, n_batch=batch, n_ubatch=batch),
+            kv_budget=budget,
+            kv_policy=name,
+            kv_evict_every=evict_every,
+            kv_observe_steps=observe_steps,
+        )
+        models[name] = (llm, tokens[: 2 * budget], lambda llm=llm: llm.kv_controller.live.size)
+    try:
+        times = _interleave(
+            {name: (lambda m=m: _timed_generate(m[0], m[1], decode_tokens, m[2])) for name, m in models.items()},
+            rounds,
+            progress,
+        )
+        kv_bytes = {name: Engine.attach(m[0]).kv_bytes() for name, m in models.items()}
+        return _rows(times, {name: len(m[1]) for name, m in models.items()}, kv_bytes, budget, decode_tokens - 1)
+    finally:
+        for llm, _, _ in models.values():
+            llm.close()
+
+
+def engine_speed_at_budget(
+    model: Path,
+    tokens: list[int],
+    budget: int,
+    policies: list[str],
+    decode_tokens: int = 64,
+    rounds: int = 5,
+    batch: int = 64,
+    evict_every: int | None = None,
+    observe_steps: int | None = 1,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[SpeedRow]:
+    """The same comparison one layer down: ``llama_decode`` of the text's next tokens on an Engine with
+    the tap off against ``KVController.step``, no sampling, no llama-cpp-python bookkeeping. The
+    per-token overhead of ``generate`` (~19 ms on a 262K vocabulary) dilutes the policy's cost there;
+    this is the ratio without it."""
+    from .controller import ControllerConfig, KVController
+    from .engine import EngineConfig
+    from .policies import make_policy
+
+    evict_every = evict_every or default_evict_every(Budget("cells", budget))
+    plain_prompt = _plain_prompt(budget, evict_every, decode_tokens)
+    cfg = EngineConfig(n_ctx=budget + evict_every + decode_tokens + batch, n_batch=batch, n_ubatch=batch)
+    engines = {"plain": Engine(model, cfg)}
+    engines.update({name: Engine(model, cfg) for name in policies})
+
+    def plain_run() -> tuple[float, float, float]:
+        e = engines["plain"]
+        e.truncate(0)
+        t0 = time.perf_counter()
+        for i in range(0, plain_prompt, batch):
+            e.decode(tokens[i : min(i + batch, plain_prompt)])
+        t1 = time.perf_counter()
+        for tok in tokens[plain_prompt : plain_prompt + decode_tokens]:
+            e.decode([tok])
+        return t1 - t0, time.perf_counter() - t1, plain_prompt + decode_tokens / 2
+
+    def policy_run(name: str) -> tuple[float, float, float]:
+        e = engines[name]
+        e.truncate(0)
+        config = ControllerConfig(Budget("cells", budget), evict_every=evict_every, observe_steps=observe_steps)
+        ctl = KVController(e, make_policy(name), config)
+        t0 = time.perf_counter()
+        ctl.prefill(tokens[: 2 * budget])
+        t1 = time.perf_counter()
+        cells = []
+        for tok in tokens[2 * budget : 2 * budget + decode_tokens]:
+            ctl.step(tok)
+            cells.append(ctl.live.size)
+        return t1 - t0, time.perf_counter() - t1, float(np.mean(cells))
+
+    runs = {"plain": plain_run} | {name: (lambda n=name: policy_run(n)) for name in policies}
+    try:
+        times = _interleave(runs, rounds, progress)
+        prompts = {name: plain_prompt if name == "plain" else 2 * budget for name in runs}
+        kv_bytes = {name: e.kv_bytes() for name, e in engines.items()}
+        return _rows(times, prompts, kv_bytes, budget, decode_tokens)
+    finally:
+        for e in engines.values():
+            e.close()
+
+
+def _rows(times: dict, prompts: dict, kv_bytes: dict, budget: int, decoded: int) -> list[SpeedRow]:
+    rows = []
+    for name, runs in times.items():
+        decode = [decoded / d for _, d, _ in runs]
+        rows.append(
+            SpeedRow(
+                label=name,
+                budget=budget,
+                live_cells=float(np.mean([c for _, _, c in runs])),
+                prompt_tokens=prompts[name],
+                prompt_tps=statistics.median(prompts[name] / p for p, _, _ in runs),
+                decode_tps=statistics.median(decode),
+                kv_bytes=kv_bytes[name],
+                decode_runs=decode,
+            )
+        )
+    for row in rows:
+        row.ratio = row.decode_tps / rows[0].decode_tps
+    return rows
+
+
+def _long(
+    label: str,
+    llm: llama_cpp.Llama,
+    tokens: list[int],
+    checkpoints: list[int],
+    decode_tokens: int,
+    advance: Callable[[int], None],
+) -> list[LongRow]:
+    engine = Engine.attach(llm)
+    rows, done = [], 0
+    for ctx in checkpoints:
+        segment = tokens[done:ctx]
+        t0 = time.perf_counter()
+        llm.eval(segment)
+        prompt_s = time.perf_counter() - t0
+        advance(len(segment))
+        t0 = time.perf_counter()
+        for tok in tokens[ctx : ctx + decode_tokens]:  # the text goes on, one token per decode
+            llm.eval([tok])
+        decode_s = time.perf_counter() - t0
+        advance(decode_tokens)
+        done = ctx + decode_tokens
+        used, allocated = engine.n_used(), engine.kv_bytes()
+        per_cell = allocated // engine.n_cells()
+        rows.append(
+            LongRow(label, ctx, len(segment) / prompt_s, decode_tokens / decode_s, used, used * per_cell, allocated)
+        )
+    return rows
+
+
+def long_run(
+    model: Path,
+    tokens: list[int],
+    checkpoints: list[int],
+    budget: int,
+    policy: str = "ahakv",
+    decode_tokens: int = 16,
+    evict_every: int | None = None,
+    observe_steps: int | None = 1,
+    progress: Callable[[str, int, int], None] = lambda label, n, total: None,
+) -> list[LongRow]:
+    """The full cache and ``policy`` at ``budget`` read ``tokens`` to each checkpoint and decode there."""
+    last = checkpoints[-1] + decode_tokens
+    if len(tokens) < last:
+        raise ValueError(f"the long run needs {last} tokens of text, have {len(tokens)}")
+    rows = []
+    label = f"{policy}@{budget}"
+    with Llama(
+        **_quiet(model, n_batch=64, n_ubatch=64),
+        kv_budget=budget,
+        kv_policy=policy,
+        kv_evict_every=evict_every,
+        kv_observe_steps=observe_steps,
+    ) as llm:
+        seen = [0]
+        rows += _long(label, llm, tokens, checkpoints, decode_tokens, _counter(progress, label, last, seen))
+    full = llama_cpp.Llama(**_quiet(model, n_ctx=last, n_batch=512))
+    try:
+        seen = [0]
+        rows += _long("full", full, tokens, checkpoints, decode_tokens, _counter(progress, "full", last, seen))
+    finally:
+        full.close()
+    return rows
+
+
+def _counter(progress, label: str, total: int, seen: list[int]) -> Callable[[int], None]:
+    def advance(n: int) -> None:
+        seen[0] += n
+        progress(label, seen[0], total)
+
+    return advance

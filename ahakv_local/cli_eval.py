@@ -1,0 +1,267 @@
+"""``ahakv-local eval`` and ``ahakv-local bench``: what a budget costs in quality and buys in speed and memory.
+
+Every command writes results.json (each figure with its configuration and provenance), results.csv,
+results.md and PNG plots under --out, and shows a progress bar on stderr.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .errors import AhakvError
+
+LICENSES = Path("/usr/share/common-licenses")
+
+
+def _bar(desc: str, total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", leave=False, dynamic_ncols=True)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise AhakvError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _tokens(model: Path, text: str) -> list[int]:
+    from .engine import Engine, EngineConfig
+
+    with Engine(model, EngineConfig(n_ctx=256)) as e:
+        return e.tokenize(text)
+
+
+def _model(model: str | None) -> Path:
+    from .models import resolve_model
+    from .native import lib
+
+    lib()  # refuse an unpatched engine with one line
+    return resolve_model(model, progress=True)
+
+
+def _policies(policies: str) -> list[str]:
+    from .policies import POLICIES, make_policy
+
+    names = [p for p in POLICIES if p != "full"] if policies == "all" else policies.split(",")
+    for name in names:
+        make_policy(name)  # a clear error for an unknown name, before any model is loaded
+    return names
+
+
+def _cells(budgets: str, n_tokens: int, floor: int) -> list[int]:
+    """'256,512' -> cells; '0.125' or '12.5%' -> that fraction of the text (0.125 = 8x compression)."""
+    cells = []
+    for b in budgets.split(","):
+        try:
+            value = float(b.rstrip("%")) / (100 if b.endswith("%") else 1)
+        except ValueError:
+            raise AhakvError(f"budgets must be cells or fractions of the text, not {b!r}") from None
+        if value <= 0:
+            raise AhakvError(f"budgets must be positive, not {b!r}")
+        cells.append(int(value) if value >= 1 else max(floor, round(value * n_tokens)))
+    return cells
+
+
+@click.group("eval")
+def eval_group() -> None:
+    """Measure what a budget costs in quality on your own model and text."""
+
+
+@eval_group.command("ppl")
+@click.argument("model", required=False, envvar="AHAKV_MODEL")
+@click.option("--text", "text_file", default=str(LICENSES / "GPL-3"), show_default=True, help="Text to stream.")
+@click.option("--tokens", default=1024, show_default=True, help="Tokens of the text to use.")
+@click.option("--prefix", default=128, show_default=True, help="Tokens decoded in chunks before stepping.")
+@click.option(
+    "--budgets",
+    default="128",
+    show_default=True,
+    help="Comma-separated cells (128) or fractions of the text (0.125 = 8x compression).",
+)
+@click.option("--policies", default="all", show_default=True, help="Comma-separated policy names, or all.")
+@click.option("--ablations", is_flag=True, help="Also AhaKV with each component off, at every budget.")
+@click.option("--ablations-at", default="", help="The same, at these budgets only (comma-separated).")
+@click.option("--step", default=1, show_default=True, help="Tokens per decode after the prefix (1: token by token).")
+@click.option("--evict-every", type=int, default=None, help="Token by token: steps between evictions (default 32).")
+@click.option("--observe-steps", default=1, show_default=True, help="Token by token: observed steps (0: all).")
+@click.option("--sinks", default=4, show_default=True)
+@click.option("--recent", default=32, show_default=True)
+@click.option("--out", "out_dir", default="eval-out", show_default=True, help="Folder for the outputs.")
+def eval_ppl(
+    model, text_file, tokens, prefix, budgets, policies, ablations, ablations_at, step, evict_every, observe_steps,
+    sinks, recent, out_dir,
+) -> None:  # fmt: skip
+    """Streaming perplexity, KL from the full cache and top-1 agreement per policy and budget."""
+    from .evaluation import evaluate
+    from .policies.ahakv import ABLATIONS
+    from .report import write_ppl_report
+
+    path = _model(model)
+    ids = _tokens(path, _read(text_file))[:tokens]
+    if len(ids) <= prefix + 1:
+        raise AhakvError(f"{text_file} has only {len(ids)} tokens; need more than --prefix {prefix}")
+    if not 1 <= step <= 64:
+        raise AhakvError("--step must be between 1 and 64 (one prompt chunk)")
+    names = _policies(policies)
+    schedule = {"observe_steps": observe_steps or None} | ({"evict_every": evict_every} if evict_every else {})
+    floor = sinks + recent + 1
+    cells = _cells(budgets, len(ids), floor)
+    ablated = cells if ablations else _cells(ablations_at, len(ids), floor) if ablations_at else []
+    configs = []
+    for c in dict.fromkeys(cells + ablated):
+        runs = [(p, p, dict(schedule)) for p in names] if c in cells else []
+        runs += [(k, "ahakv", v | schedule) for k, v in ABLATIONS.items()] if c in ablated else []
+        configs += [(f"{label}@{c}", p, c, kw) for label, p, kw in runs]
+    with _bar("eval ppl", len(ids)) as bar:
+        results = evaluate(
+            path,
+            ids,
+            configs,
+            prefix=prefix,
+            n_sink=sinks,
+            n_recent=recent,
+            step=step,
+            progress=lambda done, total: bar.update(done - bar.n),
+        )
+    for line in write_ppl_report(Path(out_dir), results, path, text_file, len(ids), step):
+        click.echo(line)
+
+
+@eval_group.command("needle")
+@click.argument("model", required=False, envvar="AHAKV_MODEL")
+@click.option("--filler", "filler_file", default=str(LICENSES / "GPL-3"), show_default=True, help="Filler text.")
+@click.option("--lengths", default="1024,2048", show_default=True, help="Prompt lengths in tokens.")
+@click.option("--depths", default="0.1,0.5,0.9", show_default=True, help="Where the key sits (fractions).")
+@click.option("--budgets", default="256", show_default=True, help="Comma-separated cells.")
+@click.option("--policies", default="all", show_default=True, help="Comma-separated policy names, or all.")
+@click.option("--trials", default=1, show_default=True, help="Keys per length and depth.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--sinks", default=4, show_default=True)
+@click.option("--recent", default=32, show_default=True)
+@click.option("--out", "out_dir", default="needle-out", show_default=True, help="Folder for the outputs.")
+def eval_needle(model, filler_file, lengths, depths, budgets, policies, trials, seed, sinks, recent, out_dir) -> None:
+    """Passkey retrieval: a number hidden in filler text at several lengths and depths, per policy."""
+    from .needle import run_needle
+    from .report import write_needle_report
+
+    path = _model(model)
+    filler = _read(filler_file)
+    try:
+        lens = [int(n) for n in lengths.split(",")]
+        deps = [float(d) for d in depths.split(",")]
+    except ValueError:
+        raise AhakvError("--lengths takes integers and --depths fractions, comma-separated") from None
+    if any(not 0 <= d <= 1 for d in deps):
+        raise AhakvError("--depths must lie between 0 and 1")
+    floor = sinks + recent + 1
+    cells = _cells(budgets, max(lens), floor)
+    if min(cells) < floor:
+        raise AhakvError(f"a budget is smaller than sinks + recent + newest ({floor})")
+    configs = [("full", None)] + [(p, c) for c in cells for p in _policies(policies)]
+    with _bar("eval needle", len(configs) * len(lens) * len(deps) * trials) as bar:
+        bar.unit = "trial"
+        try:
+            trials_ = run_needle(
+                path,
+                filler,
+                lens,
+                deps,
+                configs,
+                trials=trials,
+                seed=seed,
+                n_sink=sinks,
+                n_recent=recent,
+                progress=lambda done, total: bar.update(done - bar.n),
+            )
+        except ValueError as exc:
+            raise AhakvError(str(exc)) from None
+    for line in write_needle_report(Path(out_dir), trials_, path, filler_file):
+        click.echo(line)
+
+
+@click.group("bench")
+def bench_group() -> None:
+    """Measure what a budget buys in speed and memory."""
+
+
+@bench_group.command("speed")
+@click.argument("model", required=False, envvar="AHAKV_MODEL")
+@click.option("--text", "text_files", multiple=True, help="Text to read (default: every license in /usr/share).")
+@click.option("--budget", default=512, show_default=True, help="Live cells for the side-by-side comparison.")
+@click.option("--policies", default="all", show_default=True, help="Comma-separated policy names, or all.")
+@click.option("--decode-tokens", default=64, show_default=True, help="Tokens generated per round.")
+@click.option("--rounds", default=5, show_default=True, help="Interleaved rounds (medians are reported).")
+@click.option("--evict-every", type=int, default=None, help="Decode steps between evictions (default: the product's).")
+@click.option("--observe-steps", default=1, show_default=True, help="Observed steps before each eviction (0: all).")
+@click.option(
+    "--long-context",
+    default="2048,4096,8192,16384,32768",
+    show_default=True,
+    help="Checkpoints of the long run, full cache vs budget (capped at the trained context; empty: skip).",
+)
+@click.option("--long-policy", default="ahakv", show_default=True)
+@click.option("--out", "out_dir", default="bench-out", show_default=True, help="Folder for the outputs.")
+def bench_speed(
+    model,
+    text_files,
+    budget,
+    policies,
+    decode_tokens,
+    rounds,
+    evict_every,
+    observe_steps,
+    long_context,
+    long_policy,
+    out_dir,
+) -> None:
+    """Decode and prompt tokens/s: plain llama-cpp-python vs each policy at the same live cells; a long
+    run to the trained context, full cache vs budget; KV memory of each."""
+    from .bench import engine_speed_at_budget, long_run, speed_at_budget
+    from .info import read_info
+    from .report import write_speed_report
+
+    path = _model(model)
+    names = _policies(policies)
+    files = list(text_files) or sorted(str(p) for p in LICENSES.iterdir() if not p.is_symlink())
+    ids = _tokens(path, "\n".join(_read(f) for f in files))
+    observe = observe_steps or None
+    if (evict_every is not None and evict_every < 1) or observe_steps < 0:
+        raise AhakvError("--evict-every must be at least 1 and --observe-steps at least 0")
+    if len(ids) < 2 * budget + decode_tokens:
+        raise AhakvError(f"the text has {len(ids)} tokens; budget {budget} needs {2 * budget + decode_tokens}")
+    kw = dict(decode_tokens=decode_tokens, rounds=rounds, evict_every=evict_every, observe_steps=observe)
+    with _bar("bench speed (generate)", rounds * (len(names) + 1)) as bar:
+        bar.unit = "run"
+        app = speed_at_budget(path, ids, budget, names, progress=lambda _: bar.update(1), **kw)
+    with _bar("bench speed (engine)", rounds * (len(names) + 1)) as bar:
+        bar.unit = "run"
+        core = engine_speed_at_budget(path, ids, budget, names, progress=lambda _: bar.update(1), **kw)
+    trained = read_info(path).n_ctx_train
+    checkpoints = sorted({min(int(c), trained - decode_tokens - 1) for c in long_context.split(",") if c.strip()})
+    checkpoints = [c for c in checkpoints if c + 16 <= len(ids)]
+    long_rows = []
+    if checkpoints:
+        bars: dict[str, object] = {}
+
+        def progress(label: str, n: int, total: int) -> None:
+            bar = bars.get(label) or bars.setdefault(label, _bar(f"long run ({label})", total))
+            bar.update(n - bar.n)
+
+        long_rows = long_run(
+            path,
+            ids,
+            checkpoints,
+            budget,
+            long_policy,
+            evict_every=evict_every,
+            observe_steps=observe,
+            progress=progress,
+        )
+        for bar in bars.values():
+            bar.close()
+    for line in write_speed_report(Path(out_dir), app, core, long_rows, path, files, kw):
+        click.echo(line)

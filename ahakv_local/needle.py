@@ -1,0 +1,126 @@
+"""Passkey retrieval under a budget: a number hidden in real filler text, which the model must repeat.
+
+The prompt follows the passkey test of Mohtashami & Jaggi (2023), used by StreamingLLM and kvpress:
+an instruction, filler, the key sentence at a chosen depth, more filler, then the question. The
+whole prompt goes through the controller in chunks (the cache is compressed while the model has not
+yet seen the question, which is what makes the test hard for an eviction policy), then the model
+answers greedily. A trial is solved when the first number of the answer is the key.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .controller import Budget, ControllerConfig, KVController
+from .engine import Engine, EngineConfig
+from .policies import make_policy
+
+INTRO = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about it.\n\n"
+)
+NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+@dataclass
+class NeedleTrial:
+    policy: str
+    budget: int | None  # None: the full cache
+    length: int  # prompt tokens
+    depth: float  # where the key sits, as a fraction of the filler
+    key: str
+    answer: str
+    solved: bool
+    max_cells: int
+
+
+def build_prompt(engine: Engine, filler: list[int], length: int, depth: float, key: str) -> list[int]:
+    """Token ids of INTRO + filler[:a] + NEEDLE + filler[a:b] + QUESTION, ``length`` tokens in all."""
+    head = engine.tokenize(INTRO, add_bos=True)
+    needle = engine.tokenize(NEEDLE.format(key=key), add_bos=False)
+    tail = engine.tokenize(QUESTION, add_bos=False)
+    n_fill = length - len(head) - len(needle) - len(tail)
+    if n_fill < 1:
+        raise ValueError(f"length {length} is too short for the passkey prompt")
+    if len(filler) < n_fill:
+        raise ValueError(f"the filler text has {len(filler)} tokens; {n_fill} are needed")
+    cut = round(depth * n_fill)
+    return head + filler[:cut] + needle + filler[cut:n_fill] + tail
+
+
+def answer_key(answer: str) -> str | None:
+    m = re.search(r"\d+", answer)
+    return m.group(0) if m else None
+
+
+def run_needle(
+    model: Path,
+    filler_text: str,
+    lengths: list[int],
+    depths: list[float],
+    configs: list[tuple[str, int | None]],
+    trials: int = 1,
+    seed: int = 0,
+    n_sink: int = 4,
+    n_recent: int = 32,
+    n_ubatch: int = 64,
+    answer_tokens: int = 8,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> list[NeedleTrial]:
+    """Every (policy, budget) of ``configs`` on every length x depth x trial; budget None = full cache."""
+    rng = random.Random(seed)
+    keys = {(n, d, t): str(rng.randrange(10_000, 100_000)) for n in lengths for d in depths for t in range(trials)}
+    longest = max(lengths) + answer_tokens + n_ubatch
+    results: list[NeedleTrial] = []
+    total, done = len(configs) * len(keys), 0
+    for policy, budget in configs:
+        cells = longest if budget is None else budget + 2 * n_ubatch
+        with Engine(model, EngineConfig(n_ctx=cells, n_batch=n_ubatch, n_ubatch=n_ubatch)) as engine:
+            filler = engine.tokenize(filler_text, add_bos=False)
+            for (length, depth, _), key in keys.items():
+                prompt = build_prompt(engine, filler, length, depth, key)
+                engine.truncate(0)
+                b = Budget("cells", budget if budget is not None else 10**9)
+                ctl = KVController(
+                    engine, make_policy(policy if budget else "full"), ControllerConfig(b, n_sink, n_recent)
+                )
+                logits = ctl.prefill(prompt)
+                peak, out = ctl.live.size, []
+                for _ in range(answer_tokens):  # greedy
+                    tok = int(np.argmax(logits))
+                    if engine.is_eog(tok):
+                        break
+                    out.append(tok)
+                    logits = ctl.step(tok)
+                    peak = max(peak, ctl.live.size)
+                answer = engine.detokenize(out)
+                solved = answer_key(answer) == key
+                results.append(NeedleTrial(policy, budget, length, depth, key, answer.strip(), solved, peak))
+                done += 1
+                progress(done, total)
+    return results
+
+
+def accuracy_table(trials: list[NeedleTrial]) -> list[str]:
+    """Markdown: solved fraction per (policy, budget) and length."""
+    lengths = sorted({t.length for t in trials})
+    groups: dict[tuple[str, int | None], dict[int, list[bool]]] = {}
+    for t in trials:
+        groups.setdefault((t.policy, t.budget), {}).setdefault(t.length, []).append(t.solved)
+    lines = [
+        "| policy | budget | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+        "|---|---:|" + "---:|" * len(lengths),
+    ]
+    for (policy, budget), by_len in groups.items():
+        cells = [
+            f"{np.mean(by_len[n]):.0%} ({sum(by_len[n])}/{len(by_len[n])})" if n in by_len else "" for n in lengths
+        ]
+        lines.append(f"| {policy} | {budget if budget is not None else 'full'} | " + " | ".join(cells) + " |")
+    return lines

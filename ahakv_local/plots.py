@@ -1,0 +1,70 @@
+"""PNG plots of the evaluation and benchmark results (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+from .bench import LongRow  # noqa: E402
+from .evaluation import PplResult  # noqa: E402
+
+
+def _cells(budget: str) -> int:
+    return int(budget.split()[0])
+
+
+def plot_ppl(results: dict[str, PplResult], tokens: int, path: Path, title: str = "") -> Path:
+    """Perplexity against budget (as compression: tokens / cells), one line per configuration (labels
+    are "<name>@<cells>"), the full cache dashed."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_policy: dict[str, list[tuple[float, float]]] = {}
+    for label, r in results.items():
+        if label != "full":
+            by_policy.setdefault(label.split("@")[0], []).append((tokens / _cells(r.budget), r.ppl))
+    for name, points in sorted(by_policy.items()):
+        points.sort()
+        ax.plot(
+            [x for x, _ in points],
+            [y for _, y in points],
+            marker="o",
+            label=name,
+            linewidth=2.5 if name == "ahakv" else 1.2,
+        )
+    ax.axhline(results["full"].ppl, color="black", linestyle="--", label="full cache")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("compression (tokens / cells)")
+    ax.set_ylabel("streaming perplexity")
+    ax.set_title(title or f"perplexity vs budget, {tokens} tokens")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_long_run(rows: list[LongRow], path: Path, title: str = "") -> Path:
+    """KV memory and decode tokens/s against context length, full cache vs budget."""
+    fig, (mem, tps) = plt.subplots(1, 2, figsize=(10, 4))
+    for label in dict.fromkeys(r.label for r in rows):
+        run = [r for r in rows if r.label == label]
+        x = [r.context for r in run]
+        mem.plot(x, [r.kv_bytes_used / 2**20 for r in run], marker="o", label=f"{label} (in use)")
+        mem.plot(x, [r.kv_bytes_allocated / 2**20 for r in run], linestyle=":", label=f"{label} (allocated)")
+        tps.plot(x, [r.decode_tps for r in run], marker="o", label=label)
+    for ax in (mem, tps):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    mem.set_ylabel("KV cache (MiB)")
+    tps.set_ylabel("decode tokens/s")
+    fig.suptitle(title or "long run: full cache vs budget")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,63 @@
+"""`ahakv-local bench speed`: a small run on the fixture writes every output, with figures that add up."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from ahakv_local.info import read_info
+
+
+def test_bench_speed_command_writes_every_output(fixture_model, tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ahakv_local", "bench", "speed", str(fixture_model), "--budget", "64",
+         "--policies", "h2o,ahakv", "--decode-tokens", "8", "--rounds", "2", "--evict-every", "4",
+         "--observe-steps", "2", "--long-context", "128,256", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((out / "results.json").read_text())
+    rows = data["results"]
+    for table in ("generate", "engine"):
+        speed = [r for r in rows if r["table"] == table]
+        assert [r["label"] for r in speed] == ["plain", "h2o", "ahakv"]
+        assert speed[0]["ratio"] == 1.0 and all(r["decode_tps"] > 0 and r["prompt_tps"] > 0 for r in speed)
+        assert all(len(r["decode_runs"]) == 2 for r in speed)
+        # the same number of live cells on both sides: the budget plus half the eviction period
+        assert all(abs(r["live_cells"] - (64 + 1.5)) <= 4 for r in speed)
+
+    long = [r for r in rows if r["table"] == "long"]
+    assert [(r["label"], r["context"]) for r in long] == [
+        ("ahakv@64", 128), ("ahakv@64", 256), ("full", 128), ("full", 256)
+    ]  # fmt: skip
+    per_token = read_info(fixture_model).kv_bytes_per_token()  # from the GGUF header, not the engine
+    for r in long:
+        assert r["kv_bytes_used"] == r["kv_cells_used"] * per_token
+        if r["label"] == "full":
+            assert r["kv_cells_used"] == r["context"] + 16  # every token read so far
+        else:
+            assert r["kv_cells_used"] <= 64 + 4 and r["kv_bytes_allocated"] < long[-1]["kv_bytes_allocated"]
+    assert data["config"]["evict_every"] == 4 and data["config"]["model_sha256"]
+    assert (out / "results.csv").read_text().count("\n") == 1 + 6 + 4
+    assert (out / "long_run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "## long run" in (out / "results.md").read_text()
+
+
+def test_report_script_runs_every_command_and_writes_results(tmp_path):
+    """benchmarks/report.py --quick on the fixture: the same code path as the full report, in seconds."""
+    results = tmp_path / "RESULTS.md"
+    script = Path(__file__).parents[1] / "benchmarks" / "report.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--model", "fixture", "--out", str(tmp_path / "out"),
+         "--figures", str(tmp_path / "fig"), "--results", str(results)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = results.read_text()
+    for section in ("## Targets", "### GPL-3", "### MPL-1.1", "## Passkey retrieval", "## Speed and memory"):
+        assert section in text
+    assert "ahakv -error_model" in text and "| long run at 256 tokens" in text
+    assert sorted(p.name for p in (tmp_path / "fig").iterdir()) == ["long_run.png", "ppl-GPL-3.png", "ppl-MPL-1.1.png"]

@@ -1,0 +1,60 @@
+"""The passkey task: its prompt, its scoring, and the real model solving it with the full cache."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ahakv_local.engine import Engine, EngineConfig
+from ahakv_local.needle import NEEDLE, answer_key, build_prompt, run_needle
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
+def test_prompt_has_the_length_and_the_key_at_its_depth(gemma_model, license_text, depth):
+    with Engine(gemma_model, EngineConfig(n_ctx=256)) as e:
+        filler = e.tokenize(license_text, add_bos=False)
+        prompt = build_prompt(e, filler, 700, depth, "48213")
+        needle = e.tokenize(NEEDLE.format(key="48213"), add_bos=False)
+        text = e.detokenize(prompt)
+    assert len(prompt) == 700
+    starts = [i for i in range(len(prompt)) if prompt[i : i + len(needle)] == needle]
+    assert len(starts) == 1
+    assert text.count("48213") == 2 and text.rstrip().endswith("The pass key is")
+    # the needle sits after `depth` of the filler; the intro and the question are < 40 tokens together
+    assert starts[0] == pytest.approx(depth * (len(prompt) - len(needle)), abs=40)
+    assert text.startswith("There is an important") and license_text[:200].split()[0] in text
+
+
+def test_answer_scoring():
+    assert answer_key(" 48213. Remember") == "48213"
+    assert answer_key(" forty") is None
+    assert answer_key("48 213") == "48"
+
+
+def test_gemma_finds_the_key_with_the_full_cache(gemma_model, license_text):
+    trials = run_needle(gemma_model, license_text, [1024], [0.1, 0.5, 0.9], [("full", None)], trials=2, seed=1)
+    assert len(trials) == 6 and all(t.max_cells >= 1024 for t in trials)
+    assert all(t.solved for t in trials), [(t.depth, t.key, t.answer) for t in trials]
+
+
+def test_eval_needle_command_writes_every_output(fixture_model, tmp_path):
+    out = tmp_path / "needle"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ahakv_local", "eval", "needle", str(fixture_model), "--lengths", "300,400",
+         "--depths", "0.5", "--budgets", "64", "--policies", "h2o,ahakv", "--recent", "8", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((out / "results.json").read_text())
+    rows = data["results"]
+    assert [(r["policy"], r["budget"], r["length"]) for r in rows] == [
+        ("full", None, 300), ("full", None, 400), ("h2o", 64, 300), ("h2o", 64, 400),
+        ("ahakv", 64, 300), ("ahakv", 64, 400),
+    ]  # fmt: skip
+    assert all(r["max_cells"] <= 64 + 64 for r in rows if r["budget"])
+    assert data["config"]["model_sha256"]
+    assert (out / "results.csv").read_text().count("\n") == 7
+    assert "| ahakv | 64 |" in (out / "results.md").read_text()
