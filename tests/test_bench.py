@@ -52,12 +52,25 @@ def test_report_script_runs_every_command_and_writes_results(tmp_path):
     script = Path(__file__).parents[1] / "benchmarks" / "report.py"
     proc = subprocess.run(
         [sys.executable, str(script), "--quick", "--model", "fixture", "--out", str(tmp_path / "out"),
-         "--figures", str(tmp_path / "fig"), "--results", str(results)],
+         "--figures", str(tmp_path / "fig"), "--results", str(results), "--extras"],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = results.read_text()
-    for section in ("## Targets", "### GPL-3", "### MPL-1.1", "## Passkey retrieval", "## Speed and memory"):
+    sections = (
+        "## Targets",
+        "### GPL-3",
+        "### MPL-1.1",
+        "## Passkey retrieval",
+        "## Speed and memory",
+        "## Long run to",
+    )
+    for section in sections:
         assert section in text
     assert "ahakv -error_model" in text and "| long run at 256 tokens" in text
-    assert sorted(p.name for p in (tmp_path / "fig").iterdir()) == ["long_run.png", "ppl-GPL-3.png", "ppl-MPL-1.1.png"]
+    assert sorted(p.name for p in (tmp_path / "fig").iterdir()) == [
+        "long_run.png",
+        "long_run_full.png",
+        "ppl-GPL-3.png",
+        "ppl-MPL-1.1.png",
+    ]

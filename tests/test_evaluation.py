@@ -29,8 +29,12 @@ def test_streaming_full_cache_equals_one_pass_perplexity(fixture_model, gemma_mo
     # relative on this model, measured), which moves the perplexity of the stepped part by ~1%
     with Engine(gemma_model, EngineConfig(n_ctx=256)) as e:
         tokens = e.tokenize(license_text)[:300]
+    one_pass = one_pass_ppl(gemma_model, tokens)
     streamed = evaluate(gemma_model, tokens, [], prefix=64)["full"].ppl
-    assert abs(streamed / one_pass_ppl(gemma_model, tokens) - 1) < 0.015
+    assert abs(streamed / one_pass - 1) < 0.015
+    # in steps of 16 tokens the batched kernels run throughout, and the 0.5% holds on the real model too
+    stepped = evaluate(gemma_model, tokens, [], prefix=64, step=16)["full"].ppl
+    assert abs(stepped / one_pass - 1) < 0.005
 
 
 def test_stepping_in_chunks_scores_every_token_and_holds_the_budget(fixture_model, license_text):
