@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .controller import Budget, ControllerConfig, KVController
+from .controller import Budget, ControllerConfig, KVController, default_evict_every
 from .engine import Engine, EngineConfig
 from .policies import make_policy
 
@@ -88,9 +88,9 @@ def run_needle(
                 prompt = build_prompt(engine, filler, length, depth, key)
                 engine.truncate(0)
                 b = Budget("cells", budget if budget is not None else 10**9)
-                ctl = KVController(
-                    engine, make_policy(policy if budget else "full"), ControllerConfig(b, n_sink, n_recent)
-                )
+                every = default_evict_every(b, n_sink, n_recent)  # the product's schedule
+                config = ControllerConfig(b, n_sink, n_recent, evict_every=every, observe_steps=1)
+                ctl = KVController(engine, make_policy(policy if budget else "full"), config)
                 logits = ctl.prefill(prompt)
                 peak, out = ctl.live.size, []
                 for _ in range(answer_tokens):  # greedy
