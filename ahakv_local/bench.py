@@ -72,10 +72,15 @@ def _timed_generate(llm: llama_cpp.Llama, prompt: list[int], n: int, live: Calla
     return t1 - t0, t2 - t1, float(np.mean(cells))
 
 
-def _plain_prompt(budget: int, evict_every: int, decode_tokens: int) -> int:
-    """A policy run holds budget - evict_every + 1 .. budget cells while it generates; the plain run
-    grows from its prompt by the tokens it generates: start it so the means match."""
-    return max(1, round(budget - (evict_every - 1) / 2 - decode_tokens / 2))
+def _plan(tokens: list[int], budget: int, evict_every: int | None, decode_tokens: int) -> tuple[int, int]:
+    """(eviction period, plain prompt length) of a side-by-side run. A policy run reads 2x the budget,
+    then holds budget - evict_every + 1 .. budget cells while it generates; the plain run grows from its
+    prompt by the tokens it generates: start it so the means match."""
+    if len(tokens) < 2 * budget + decode_tokens:
+        need = 2 * budget + decode_tokens
+        raise ValueError(f"need {need} tokens of text for budget {budget}, have {len(tokens)}")
+    evict_every = evict_every or default_evict_every(Budget("cells", budget))
+    return evict_every, max(1, round(budget - (evict_every - 1) / 2 - decode_tokens / 2))
 
 
 def _interleave(runs: dict[str, Callable[[], tuple]], rounds: int, progress) -> dict[str, list[tuple]]:
@@ -103,10 +108,7 @@ def speed_at_budget(
 ) -> list[SpeedRow]:
     """Prompt and decode tokens/s of plain llama-cpp-python and of each policy at ``budget`` live cells,
     through ``Llama.generate`` (greedy), as an app sees them."""
-    if len(tokens) < 2 * budget:
-        raise ValueError(f"need {2 * budget} tokens of text for budget {budget}, have {len(tokens)}")
-    evict_every = evict_every or default_evict_every(Budget("cells", budget))
-    plain_prompt = _plain_prompt(budget, evict_every, decode_tokens)
+    evict_every, plain_prompt = _plan(tokens, budget, evict_every, decode_tokens)
     models: dict[str, tuple[llama_cpp.Llama, list[int], Callable[[], int]]] = {}
     plain = llama_cpp.Llama(**_quiet(model, n_ctx=budget + evict_every + decode_tokens + batch, n_batch=batch))
     models["plain"] = (plain, tokens[:plain_prompt], lambda: plain.n_tokens)
@@ -152,8 +154,7 @@ def engine_speed_at_budget(
     from .engine import EngineConfig
     from .policies import make_policy
 
-    evict_every = evict_every or default_evict_every(Budget("cells", budget))
-    plain_prompt = _plain_prompt(budget, evict_every, decode_tokens)
+    evict_every, plain_prompt = _plan(tokens, budget, evict_every, decode_tokens)
     cfg = EngineConfig(n_ctx=budget + evict_every + decode_tokens + batch, n_batch=batch, n_ubatch=batch)
     engines = {"plain": Engine(model, cfg)}
     engines.update({name: Engine(model, cfg) for name in policies})

@@ -131,7 +131,7 @@ def load_llama(
     batch_size, **extra,
 ):  # fmt: skip
     """Resolve, check and load a model as an ahakv_local.Llama; every user mistake is an AhakvError."""
-    from .controller import Budget
+    from .controller import Budget, parse_schedule
     from .info import read_info
     from .models import resolve_model
     from .policies import make_policy
@@ -141,8 +141,7 @@ def load_llama(
     make_policy(policy)  # a clear error for an unknown policy
     if budget is not None:
         Budget.parse(budget)  # a clear error for a malformed budget; the controller checks its size
-    if (evict_every is not None and evict_every < 1) or observe_steps < 0:
-        raise AhakvError("--evict-every must be at least 1 and --observe-steps at least 0")
+    evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
     from .native import lib
 
     lib()  # refuse an unpatched or missing engine with one line, before llama_cpp is imported
@@ -165,7 +164,7 @@ def load_llama(
             kv_recent=recent,
             kv_error_tol=error_tol,
             kv_evict_every=evict_every,
-            kv_observe_steps=observe_steps or None,
+            kv_observe_steps=observe_steps,
             **extra,
         )
     except ValueError as exc:

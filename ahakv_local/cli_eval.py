@@ -107,7 +107,10 @@ def eval_ppl(
     if not 1 <= step <= 64:
         raise AhakvError("--step must be between 1 and 64 (one prompt chunk)")
     names = _policies(policies)
-    schedule = {"observe_steps": observe_steps or None} | ({"evict_every": evict_every} if evict_every else {})
+    from .controller import parse_schedule
+
+    evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
+    schedule = {"observe_steps": observe_steps} | ({"evict_every": evict_every} if evict_every else {})
     floor = sinks + recent + 1
     cells = _cells(budgets, len(ids), floor)
     ablated = cells if ablations else _cells(ablations_at, len(ids), floor) if ablations_at else []
@@ -228,9 +231,9 @@ def bench_speed(
     names = _policies(policies)
     files = list(text_files) or sorted(str(p) for p in LICENSES.iterdir() if not p.is_symlink())
     ids = _tokens(path, "\n".join(_read(f) for f in files))
-    observe = observe_steps or None
-    if (evict_every is not None and evict_every < 1) or observe_steps < 0:
-        raise AhakvError("--evict-every must be at least 1 and --observe-steps at least 0")
+    from .controller import parse_schedule
+
+    evict_every, observe = parse_schedule(evict_every, observe_steps)
     if len(ids) < 2 * budget + decode_tokens:
         raise AhakvError(f"the text has {len(ids)} tokens; budget {budget} needs {2 * budget + decode_tokens}")
     kw = dict(decode_tokens=decode_tokens, rounds=rounds, evict_every=evict_every, observe_steps=observe)

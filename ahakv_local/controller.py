@@ -94,6 +94,18 @@ class ControllerConfig:
     # graph plus the model-softmax tap, summed natively and handed over as one block
     observe_steps: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.evict_every < 1 or (self.observe_steps is not None and self.observe_steps < 1):
+            raise AhakvError("evict_every must be at least 1 and observe_steps at least 1 (or None: every step)")
+
+
+def parse_schedule(evict_every: int | None, observe_steps: int) -> tuple[int | None, int | None]:
+    """The command-line form (--evict-every N or default, --observe-steps N with 0 = every step) checked and
+    turned into the controller's (None = the product's default period; None = observe every step)."""
+    if (evict_every is not None and evict_every < 1) or observe_steps < 0:
+        raise AhakvError("--evict-every must be at least 1 and --observe-steps at least 0")
+    return evict_every, observe_steps or None
+
 
 @dataclass
 class ControllerStats:
