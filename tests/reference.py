@@ -97,3 +97,11 @@ def reconstruction_term(p: np.ndarray, v: np.ndarray, o: np.ndarray, rows: slice
     ot = o[rows]  # [W, n_head, hd]
     dist = np.linalg.norm(vh[None, :, :, :] - ot[:, None, :, :], axis=-1)  # [W, T, n_head]
     return np.einsum("hwj,wjh->hj", a, dist)
+
+
+def reconstruction_scale(p: np.ndarray, v: np.ndarray, o: np.ndarray, rows: slice, r: int) -> np.ndarray:
+    """[n_head, T]: sum over rows t of a_tj * (||v_j|| + ||o_t||), the scale of the rounding of ||v_j - o_t||."""
+    vn = np.repeat(np.linalg.norm(v, axis=-1), r, axis=1)  # [T, n_head]
+    on = np.linalg.norm(o[rows], axis=-1)  # [W, n_head]
+    a = p[:, rows, :]  # [n_head, W, T]
+    return np.einsum("hwj,jh->hj", a, vn) + np.einsum("hwj,wh->hj", a, on)

@@ -13,6 +13,8 @@ from ahakv_local.errors import AhakvError
 from ahakv_local.native import TapFlag
 from ahakv_local.policies import POLICIES, make_policy
 
+from numerics import sum_rtol
+
 EVICTING = sorted(set(POLICIES) - {"full"})
 CHUNK = 16
 
@@ -143,7 +145,9 @@ def test_a_summed_block_scores_like_its_steps_observed_one_by_one(fixture_model,
             for tok in tokens[60:]:
                 c.step(tok)
             scores.append(c.policy.acc.get(c.live).copy())
-    np.testing.assert_allclose(scores[1], scores[0], rtol=1e-5)
+    # the same F32 probabilities summed over 76 decode rows, in the graph or on the host: any order of
+    # a sum of 76 non-negative terms is within sum_rtol(76) of another (plus the prefill's 60 rows)
+    np.testing.assert_allclose(scores[1], scores[0], rtol=2 * sum_rtol(136))
 
 
 def test_ratio_budget_follows_tokens_seen(fixture_model, license_text):

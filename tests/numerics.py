@@ -1,0 +1,38 @@
+"""The rounding units every numeric tolerance in the suite is derived from.
+
+A tolerance is never "what passed on one machine": it is a bound built from these units and the
+sizes of the computation, so it holds on every SIMD path of the CPU backend (AVX2-only AMD,
+AVX-512 Intel, NEON) and every summation order a kernel may choose.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = 2.0**-24  # unit roundoff of float32
+F16 = 2.0**-11  # unit roundoff of float16: the K/V cache, and mul_mat's rounding of its F32 operand to F16
+
+
+def sum_rtol(n: int) -> float:
+    """Relative error bound of a sum of n non-negative F32 terms, in any order: (n - 1) * u."""
+    return max(n - 1, 1) * F32
+
+
+def norm_rtol(hd: int) -> float:
+    """Relative error of an F32 vector norm over hd entries: the squared sum's bound, halved by the sqrt."""
+    return sum_rtol(hd) / 2
+
+
+def output_rounding(a: np.ndarray, v_norm: np.ndarray) -> np.ndarray:
+    """Bound on ||o_model - o_exact|| for o = sum_i a_i v_i computed by mul_mat against an F16 V cache:
+    ggml rounds the F32 weights a_i to F16 (relative 2^-11 each), so the error is <= 2^-11 sum_i a_i ||v_i||
+    (the F32 accumulation adds ~n * 2^-24, negligible beside it). ``a`` is [..., n]."""
+    return F16 * (a * v_norm).sum(axis=-1)
+
+
+def distance_rounding(v_norm, o_norm, dist, hd: int):
+    """Bound on the F32 error of ||v - o|| evaluated as sqrt(||v||^2 - 2 v.o + ||o||^2) (clamped at 0): the
+    squared distance d^2 is off by at most D = hd * 2^-24 * (||v|| + ||o||)^2 (cancellation where v ~ o), so
+    the distance by at most min(sqrt(D), D / d) (d^2 - D under the root is the worse side). Arguments broadcast."""
+    d2_err = hd * F32 * (np.asarray(v_norm) + np.asarray(o_norm)) ** 2
+    return np.minimum(np.sqrt(d2_err), d2_err / np.maximum(dist, 1e-30))
