@@ -1,8 +1,11 @@
-"""A tiny random-weight llama GGUF for fast tests: GQA (4 query heads, 2 KV heads), no sliding window.
+"""Tiny random-weight GGUFs for fast tests: GQA (4 query heads, 2 KV heads), one per llama.cpp architecture.
 
-Deterministic: the same ``FixtureSpec`` always writes the same bytes. F32 weights, so a numpy
-forward pass (tests/reference.py) can reproduce llama.cpp's numbers closely. The vocabulary is
-SentencePiece-style with byte fallback: three specials, 256 byte tokens and a few letters.
+Deterministic: the same ``FixtureSpec`` always writes the same bytes (the default, a llama, is the one
+tests/reference.py reproduces in numpy). F32 weights, so llama.cpp computes in F32 throughout. The tensors
+and hyperparameters of each architecture are the ones its loader in the vendored llama.cpp requires
+(src/models/<arch>.cpp, ``load_arch_hparams`` and ``load_arch_tensors``); the sliding-window architectures
+slide on layer 0 and attend fully on layer 1. The vocabulary is SentencePiece-style with byte fallback:
+three specials, 256 byte tokens and a few letters.
 """
 
 from __future__ import annotations
@@ -12,6 +15,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "cohere2", "starcoder2")
+SLIDING = {"gemma2", "gemma3", "cohere2"}  # sliding window on layer 0 (pattern 2), full attention on layer 1
+LAYER_NORM = {"cohere2", "starcoder2"}  # LayerNorm (starcoder2 with biases everywhere) instead of RMSNorm
+TIED = {"gemma2", "gemma3", "cohere2"}  # output = token_embd
+QK_NORM = {"qwen3", "gemma3"}
+POST_NORMS = {"gemma2", "gemma3"}
+# constants of the non-llama fixtures, part of their tag: window, softcaps (small enough for tanh to bend the
+# logits of this fixture), cohere's logit scale
+ARCH_HPARAMS = {"sliding_window": 24, "attn_softcap": 8.0, "final_softcap": 30.0, "logit_scale": 0.5}
 
 
 @dataclass(frozen=True)
@@ -26,6 +39,11 @@ class FixtureSpec:
     rms_eps: float = 1e-5
     qk_gain: float = 3.0  # larger q/k weights give peaked, non-uniform attention
     seed: int = 1234
+    arch: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"no fixture for architecture {self.arch!r}; choose from {', '.join(ARCHITECTURES)}")
 
     @property
     def head_dim(self) -> int:
@@ -34,7 +52,12 @@ class FixtureSpec:
     def tag(self) -> str:
         import hashlib
 
-        return hashlib.sha256(repr(sorted(asdict(self).items())).encode()).hexdigest()[:10]
+        items = asdict(self)
+        if self.arch == "llama":
+            del items["arch"]  # the llama fixture keeps the tag it had before architectures existed
+        else:
+            items.update(ARCH_HPARAMS)
+        return hashlib.sha256(repr(sorted(items.items())).encode()).hexdigest()[:10]
 
 
 def vocab() -> tuple[list[str], list[float], list[int]]:
@@ -51,7 +74,9 @@ def vocab() -> tuple[list[str], list[float], list[int]]:
 def weights(spec: FixtureSpec, n_vocab: int) -> dict[str, np.ndarray]:
     """Tensors by GGUF name, numpy shape = reversed ggml shape (a matrix W maps x to W @ x)."""
     rng = np.random.default_rng(spec.seed)
-    d, hd = spec.n_embd, spec.head_dim
+    arch, d, hd, ff = spec.arch, spec.n_embd, spec.head_dim, spec.n_ff
+    nq, nkv = spec.n_head * hd, spec.n_head_kv * hd
+    biased = arch == "starcoder2"
 
     def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
@@ -59,20 +84,50 @@ def weights(spec: FixtureSpec, n_vocab: int) -> dict[str, np.ndarray]:
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
+    def bias(n: int) -> np.ndarray:
+        return (0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def add(t: dict[str, np.ndarray], name: str, n: int, with_bias: bool) -> None:
+        t[name + ".weight"] = norm(n)
+        if with_bias:
+            t[name + ".bias"] = bias(n)
+
+    # the draw order of the llama fixture is fixed: its bytes must not change
     t = {"token_embd.weight": mat(n_vocab, d, gain=np.sqrt(d))}
     for i in range(spec.n_layer):
         b = f"blk.{i}."
-        t[b + "attn_norm.weight"] = norm(d)
-        t[b + "attn_q.weight"] = mat(spec.n_head * hd, d, spec.qk_gain)
-        t[b + "attn_k.weight"] = mat(spec.n_head_kv * hd, d, spec.qk_gain)
-        t[b + "attn_v.weight"] = mat(spec.n_head_kv * hd, d)
-        t[b + "attn_output.weight"] = mat(d, spec.n_head * hd)
-        t[b + "ffn_norm.weight"] = norm(d)
-        t[b + "ffn_gate.weight"] = mat(spec.n_ff, d)
-        t[b + "ffn_up.weight"] = mat(spec.n_ff, d)
-        t[b + "ffn_down.weight"] = mat(d, spec.n_ff)
-    t["output_norm.weight"] = norm(d)
-    t["output.weight"] = mat(n_vocab, d)
+        add(t, b + "attn_norm", d, biased)
+        q, k, v = mat(nq, d, spec.qk_gain), mat(nkv, d, spec.qk_gain), mat(nkv, d)
+        if arch == "phi3":
+            t[b + "attn_qkv.weight"] = np.concatenate([q, k, v])
+        else:
+            t[b + "attn_q.weight"], t[b + "attn_k.weight"], t[b + "attn_v.weight"] = q, k, v
+        if arch == "qwen2":
+            t[b + "attn_q.bias"], t[b + "attn_k.bias"], t[b + "attn_v.bias"] = bias(nq), bias(nkv), bias(nkv)
+        if arch in QK_NORM:
+            add(t, b + "attn_q_norm", hd, False)
+            add(t, b + "attn_k_norm", hd, False)
+        t[b + "attn_output.weight"] = mat(d, nq)
+        if biased:
+            t[b + "attn_output.bias"] = bias(d)
+        if arch in POST_NORMS:
+            add(t, b + "post_attention_norm", d, False)
+        if arch != "cohere2":  # cohere feeds the attention's input norm to the FFN too (parallel blocks)
+            add(t, b + "ffn_norm", d, biased)
+        if arch == "phi3":
+            t[b + "ffn_up.weight"] = mat(2 * ff, d)  # gate and up, fused
+        elif arch == "starcoder2":
+            t[b + "ffn_up.weight"], t[b + "ffn_up.bias"] = mat(ff, d), bias(ff)  # plain GELU MLP
+        else:
+            t[b + "ffn_gate.weight"], t[b + "ffn_up.weight"] = mat(ff, d), mat(ff, d)
+        t[b + "ffn_down.weight"] = mat(d, ff)
+        if biased:
+            t[b + "ffn_down.bias"] = bias(d)
+        if arch in POST_NORMS:
+            add(t, b + "post_ffw_norm", d, False)
+    add(t, "output_norm", d, biased)
+    if arch not in TIED:
+        t["output.weight"] = mat(n_vocab, d)
     return t
 
 
@@ -82,9 +137,10 @@ def write_fixture(path: str | Path, spec: FixtureSpec = FixtureSpec()) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tokens, scores, types = vocab()
+    arch, hp = spec.arch, ARCH_HPARAMS
 
     tmp = path.with_suffix(".tmp")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name("ahakv-fixture")
     w.add_context_length(spec.n_ctx_train)
     w.add_embedding_length(spec.n_embd)
@@ -92,9 +148,23 @@ def write_fixture(path: str | Path, spec: FixtureSpec = FixtureSpec()) -> Path:
     w.add_feed_forward_length(spec.n_ff)
     w.add_head_count(spec.n_head)
     w.add_head_count_kv(spec.n_head_kv)
-    w.add_layer_norm_rms_eps(spec.rms_eps)
+    if arch in LAYER_NORM:
+        w.add_layer_norm_eps(spec.rms_eps)
+    else:
+        w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_rope_freq_base(spec.rope_freq_base)
     w.add_rope_dimension_count(spec.head_dim)
+    if arch != "llama":
+        w.add_key_length(spec.head_dim)
+        w.add_value_length(spec.head_dim)
+    if arch in SLIDING:
+        w.add_sliding_window(int(hp["sliding_window"]))
+        w.add_sliding_window_pattern(2)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(hp["attn_softcap"])
+        w.add_final_logit_softcapping(hp["final_softcap"])
+    if arch == "cohere2":
+        w.add_logit_scale(hp["logit_scale"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)

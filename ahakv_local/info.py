@@ -6,12 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import AhakvError
+from .gguf_header import Value, read_header
 
-# architectures the vendored llama.cpp builds with a KV cache this project can tap and evict from
-SUPPORTED = {
-    "llama", "gemma", "gemma2", "gemma3", "qwen2", "qwen3", "mistral", "mistral3", "phi3", "granite",
-    "olmo", "olmo2", "smollm3", "exaone", "internlm2", "starcoder2", "stablelm", "deci", "cohere2",
-}  # fmt: skip
+# llama.cpp architecture names (general.architecture; vendored src/llama-arch.cpp) that this project taps and
+# evicts from, each with a random-weight fixture tested in tests/test_architectures.py. Mistral 7B GGUFs say
+# "llama" ("mistral" is no llama.cpp architecture); "deci" is out: its head counts vary per layer, and the engine
+# reads layer 0's for all.
+SUPPORTED = frozenset({"llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "cohere2", "starcoder2"})
 
 
 @dataclass
@@ -33,41 +34,50 @@ class ModelInfo:
         return self.n_layer * self.n_head_kv * (self.head_dim_k + self.head_dim_v) * bytes_per_value
 
 
-def read_info(path: Path) -> ModelInfo:
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the gguf reader raises many kinds of errors on bad files
-        raise AhakvError(f"cannot read {path} as GGUF: {exc}") from None
-
-    def field(key: str, default=None):
-        f = reader.fields.get(key)
-        if f is None:
-            return default
-        v = f.contents()
-        return v[0] if isinstance(v, list) and v and not isinstance(v[0], str) else v
-
-    arch = field("general.architecture")
-    if not arch:
+def _architecture(kv: dict[str, Value], path: Path) -> str:
+    arch = kv.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
         raise AhakvError(f"{path} has no general.architecture: not a model GGUF")
     if arch not in SUPPORTED:
         known = ", ".join(sorted(SUPPORTED))
         raise AhakvError(f"unsupported architecture {arch!r} in {path.name} (supported: {known})")
-    n_head = int(field(f"{arch}.attention.head_count", 0) or 0)
-    n_embd = int(field(f"{arch}.embedding_length", 0) or 0)
-    head_dim = n_embd // n_head if n_head else 0
+    for key in ("attention.head_count", "attention.head_count_kv"):
+        counts = kv.get(f"{arch}.{key}")
+        if isinstance(counts, tuple) and len(set(counts)) > 1:
+            raise AhakvError(f"{path.name} has a different {key} per layer, which ahakv-local does not support")
+    return arch
+
+
+def check_architecture(path: str | Path) -> str:
+    """The model's architecture, or an AhakvError (one line) when ahakv-local cannot tap or evict it."""
+    path = Path(path)
+    return _architecture(read_header(path).kv, path)
+
+
+def read_info(path: Path) -> ModelInfo:
+    """What ``describe`` needs, from the GGUF header only (milliseconds, whatever the model's size)."""
+    kv = read_header(path).kv
+    arch = _architecture(kv, path)
+
+    def num(key: str, default: int = 0) -> int:
+        v = kv.get(f"{arch}.{key}", default)
+        v = v[0] if isinstance(v, tuple) and v else v  # a per-layer array of equal values
+        return int(v) if isinstance(v, (int, float)) else default
+
+    n_head = num("attention.head_count")
+    head_dim = num("embedding_length") // n_head if n_head else 0
+    name = kv.get("general.name")
     return ModelInfo(
         path=path,
-        name=str(field("general.name", path.stem)),
+        name=name if isinstance(name, str) else path.stem,
         architecture=arch,
-        n_layer=int(field(f"{arch}.block_count", 0)),
+        n_layer=num("block_count"),
         n_head=n_head,
-        n_head_kv=int(field(f"{arch}.attention.head_count_kv", n_head)),
-        head_dim_k=int(field(f"{arch}.attention.key_length", head_dim)),
-        head_dim_v=int(field(f"{arch}.attention.value_length", head_dim)),
-        n_ctx_train=int(field(f"{arch}.context_length", 0)),
-        sliding_window=int(field(f"{arch}.attention.sliding_window", 0) or 0),
+        n_head_kv=num("attention.head_count_kv", n_head),
+        head_dim_k=num("attention.key_length", head_dim),
+        head_dim_v=num("attention.value_length", head_dim),
+        n_ctx_train=num("context_length"),
+        sliding_window=num("attention.sliding_window"),
         file_bytes=path.stat().st_size,
     )
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import AhakvError
-from .fixture import FixtureSpec, write_fixture
 from .paths import cache_dir
+
+if TYPE_CHECKING:  # fixture.py imports numpy: only the fixture needs it
+    from .fixture import FixtureSpec
 
 DEFAULT_MODEL = "gemma-3-270m-q4_k_m"
 FIXTURE_MODEL = "fixture"
@@ -48,6 +51,8 @@ def default_model_path(progress: bool = False) -> Path:
 
 def fixture_path(spec: FixtureSpec | None = None) -> Path:
     """The tiny test model for ``spec`` (default: FixtureSpec()), generated on first use."""
+    from .fixture import FixtureSpec, write_fixture
+
     spec = spec or FixtureSpec()
     path = models_dir() / f"ahakv-fixture-{spec.tag()}.gguf"
     if not path.exists():

@@ -1,0 +1,168 @@
+"""The header-only GGUF reader (ahakv_local/gguf_header.py) against gguf.GGUFReader, and its failure modes."""
+
+from __future__ import annotations
+
+import struct
+
+import gguf
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ahakv_local.errors import AhakvError
+from ahakv_local.fixture import ARCHITECTURES, FixtureSpec
+from ahakv_local.gguf_header import SkippedArray, read_header
+from ahakv_local.info import check_architecture, read_info
+from ahakv_local.models import fixture_path
+
+
+def assert_same_as_gguf_reader(path) -> None:
+    header = read_header(path)
+    reader = gguf.GGUFReader(str(path))
+    fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert header.version == reader.fields["GGUF.version"].contents()
+    assert header.n_tensors == reader.fields["GGUF.tensor_count"].contents() == len(reader.tensors)
+    assert list(header.kv) == list(fields)  # same keys, same order
+    for key, f in fields.items():
+        value = header.kv[key]
+        if f.types[0] != gguf.GGUFValueType.ARRAY:
+            assert value == f.contents() and type(value) is type(f.contents()), key  # exact: same bytes decoded
+        elif isinstance(value, SkippedArray):
+            assert (value.item_type, value.count) == (f.types[-1], len(f.data)), key
+        else:
+            assert list(value) == f.contents(), key
+    last = fields[list(fields)[-1]]
+    assert header.kv_end == last.offset + sum(part.nbytes for part in last.parts)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_header_equals_gguf_reader_on_fixtures(arch):
+    assert_same_as_gguf_reader(fixture_path(FixtureSpec(arch=arch)))
+
+
+def test_header_equals_gguf_reader_on_the_default_model(gemma_model):
+    """262K tokenizer strings, scores and types: skipped, not decoded (GGUFReader takes ~15 s and 700 MiB here)."""
+    assert_same_as_gguf_reader(gemma_model)
+    info = read_info(gemma_model)
+    assert (info.architecture, info.n_layer, info.n_head, info.n_head_kv) == ("gemma3", 18, 4, 1)
+    assert (info.head_dim_k, info.sliding_window, info.n_ctx_train) == (256, 512, 32768)
+
+
+def test_tensor_data_is_never_read(fixture_model, tmp_path):
+    """A file cut right after its metadata (no tensor infos, no tensor data) reads the same."""
+    full = read_header(fixture_model)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(fixture_model.read_bytes()[: full.kv_end])
+    assert read_header(cut) == full
+    assert read_info(cut).n_layer == read_info(fixture_model).n_layer
+
+
+def test_every_truncation_of_the_header_is_an_ahakv_error(fixture_model, tmp_path):
+    data = fixture_model.read_bytes()
+    end = read_header(fixture_model).kv_end
+    path = tmp_path / "t.gguf"
+    # every byte of the magic, the counts and the first pairs, then every 13th (keys, types, values, arrays)
+    for n in [*range(512), *range(512, end, 13), end - 1]:
+        path.write_bytes(data[:n])
+        with pytest.raises(AhakvError, match=r"not a GGUF file|corrupt or truncated"):
+            read_header(path)
+
+
+def header_bytes(*kv: bytes, version: int = 3, n_kv: int | None = None) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", version, 0, len(kv) if n_kv is None else n_kv) + b"".join(kv)
+
+
+def gguf_str(s: str | bytes) -> bytes:
+    b = s.encode() if isinstance(s, str) else s
+    return struct.pack("<Q", len(b)) + b
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "not a GGUF file"),
+        (b"PK\x03\x04 a zip file", "not a GGUF file"),
+        (header_bytes(version=1), "unsupported GGUF version 1"),
+        (header_bytes(n_kv=2**62), "cannot fit"),
+        (header_bytes(struct.pack("<Q", 2**60) + b"key"), "needs"),  # a key longer than the file
+        (header_bytes(gguf_str("a") + struct.pack("<I", 13)), "unknown value type 13"),
+        (header_bytes(gguf_str(b"\xff\xfe") + struct.pack("<II", 4, 1)), "not UTF-8"),
+        (header_bytes(gguf_str("a") + struct.pack("<IIQ", 9, 4, 2**61)), "needs"),  # a uint32 array too long
+        (header_bytes(gguf_str("a") + struct.pack("<IIQQ", 9, 8, 1, 2**40)), "runs past the end"),  # a string too
+        (header_bytes(gguf_str("a") + struct.pack("<IIQ", 9, 99, 1)), "invalid array item type 99"),
+        (header_bytes(gguf_str("a") + struct.pack("<IIQ", 9, 9, 1)), "invalid array item type 9"),  # nested
+    ],
+)
+def test_garbage_is_an_ahakv_error(tmp_path, data, message):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(data)
+    with pytest.raises(AhakvError, match=message) as exc:
+        read_header(path)
+    assert "\n" not in str(exc.value)
+
+
+def test_missing_file_and_directory(tmp_path):
+    for path in (tmp_path / "missing.gguf", tmp_path):
+        with pytest.raises(AhakvError, match="cannot read"):
+            read_header(path)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_corrupted_headers_never_raise_anything_else(fixture_model, tmp_path, data):
+    raw = bytearray(fixture_model.read_bytes()[:6000])  # the header and the start of the tensor infos
+    for _ in range(data.draw(st.integers(1, 8), label="flips")):
+        raw[data.draw(st.integers(4, len(raw) - 1), label="at")] = data.draw(st.integers(0, 255), label="byte")
+    path = tmp_path / "fuzz.gguf"
+    path.write_bytes(bytes(raw[: data.draw(st.integers(4, len(raw)), label="length")]))
+    try:
+        read_header(path)
+    except AhakvError as exc:
+        assert "\n" not in str(exc)
+
+
+def write_model(path, arch: str, head_count: int | list[int] = 4, endian=gguf.GGUFEndian.LITTLE) -> None:
+    w = gguf.GGUFWriter(str(path), arch, endianess=endian)
+    w.add_block_count(2)
+    w.add_head_count(head_count)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["mistral", "deci", "bert"])
+def test_unsupported_architectures(tmp_path, arch):
+    """Mistral GGUFs say "llama": "mistral" is no llama.cpp architecture; deci has a head count per layer."""
+    path = tmp_path / f"{arch}.gguf"
+    write_model(path, arch)
+    with pytest.raises(AhakvError, match=rf"^unsupported architecture '{arch}' in {arch}\.gguf \(supported: ") as e:
+        check_architecture(path)
+    assert "\n" not in str(e.value)
+
+
+def test_per_layer_head_counts_are_refused(tmp_path):
+    path = tmp_path / "varying.gguf"
+    write_model(path, "llama", [4, 2])
+    with pytest.raises(AhakvError, match="different attention.head_count per layer"):
+        check_architecture(path)
+    write_model(path, "llama", [4, 4])  # an array of equal counts is one count
+    assert check_architecture(path) == "llama" and read_info(path).n_head == 4
+
+
+def test_engine_checks_the_architecture_before_loading(tmp_path):
+    from ahakv_local.engine import Engine
+
+    path = tmp_path / "deci.gguf"
+    write_model(path, "deci")
+    with pytest.raises(AhakvError, match="unsupported architecture 'deci'"):
+        Engine(path)
+
+
+def test_big_endian_header(tmp_path):
+    path = tmp_path / "be.gguf"
+    write_model(path, "llama", [4, 4], endian=gguf.GGUFEndian.BIG)
+    assert_same_as_gguf_reader(path)
+    assert read_info(path).n_head == 4
