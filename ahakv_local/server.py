@@ -1,41 +1,58 @@
 """``ahakv-local serve``: an OpenAI-compatible HTTP server over one bounded-cache ``Llama``.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (``stream: true`` sends
-server-sent events, ending with ``data: [DONE]``). Besides the OpenAI fields a request may carry
-``kv_budget`` and ``kv_policy``; they apply to that request only. One request runs at a time.
+server-sent events, ending with ``data: [DONE]``), GET /v1/kv/stats, GET /health (200 when the model is
+free, 503 while a request holds it). Besides the OpenAI fields a request may carry ``kv_budget`` and
+``kv_policy``; they apply to that request only and are checked together before anything changes.
+
+One request runs at a time. Each is a Job that one worker thread runs from start to end: wait for the
+model (503 after ``busy_timeout``), check and apply its settings, generate, restore the server's settings
+and release the model - on every exit path. The generation stops at the next token when the client
+leaves, streamed or not, and when the server is told to stop. ``max_tokens`` 0, null or above
+``max_tokens_limit`` (``--max-tokens-limit``) generates at most that limit. Every error is an
+OpenAI-shaped JSON body: 400 for a bad request, 503 when busy, 500 only for a bug.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 import threading
 import time
-from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from .controller import Budget
 from .errors import AhakvError
 from .llama import Llama
 from .policies import make_policy
 
-SAMPLING = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty")
+log = logging.getLogger("ahakv_local.server")
+
+GRACE_S = 3  # after a stop signal, how long open responses get to finish (a prompt being read cannot be cut)
 
 
 class KVFields(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # clients send OpenAI fields this server does not use (n, user, logprobs, ...): accepted and ignored;
+    # NaN and infinities (Python's JSON reader takes them) are refused
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str | None = None
     stream: bool = False
-    max_tokens: int | None = 256
-    temperature: float = 0.8
-    top_p: float = 0.95
+    max_tokens: int | None = Field(256, ge=0)  # 0 or null: up to the server's limit
+    temperature: float = Field(0.8, ge=0, le=2)  # OpenAI's ranges
+    top_p: float = Field(0.95, ge=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     kv_budget: int | float | str | None = None
     kv_policy: str | None = None
 
@@ -44,80 +61,294 @@ class CompletionRequest(KVFields):
     prompt: str | list[str] = ""
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def as_dict(self) -> dict[str, str]:
+        """The plain form every chat template reads (parts joined; 'developer' is OpenAI's new 'system')."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
 class ChatRequest(KVFields):
-    messages: list[dict[str, Any]]
+    messages: list[Message] = Field(min_length=1)
 
 
-def error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": None}}, status)
+def error_body(status: int, message: str) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
-def create_app(llm: Llama, model_name: str) -> FastAPI:
-    app = FastAPI(title="ahakv-local", version="1")
-    lock = threading.Lock()
+def error(status: int, message: str) -> Response:
+    # json.dumps escapes to ASCII: a message may quote a lone surrogate from the request, which UTF-8 cannot encode
+    return Response(json.dumps(error_body(status, message)), status, media_type="application/json")
 
-    @contextmanager
-    def request_settings(req: KVFields):
-        """Apply a request's kv_budget / kv_policy, restoring the server's defaults afterwards."""
-        kv = llm.kv_controller
+
+class Cancelled(Exception):
+    """The client left or the server is stopping: the generation ends at the next token."""
+
+
+class Job:
+    """One request. Its worker thread posts events - ("error", (status, message)), ("result", body),
+    ("chunk", chunk), ("done", None) - to a queue the event loop reads."""
+
+    FINAL = ("error", "result", "done")
+
+    def __init__(self, shutdown: threading.Event):
+        self.cancelled = threading.Event()
+        self.finished = False
+        self._shutdown = shutdown
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue = asyncio.Queue()  # unbounded: the worker never waits for the client
+
+    def stopped(self) -> bool:
+        return self.cancelled.is_set() or self._shutdown.is_set()
+
+    def post(self, kind: str, payload: Any = None) -> None:
+        self.finished |= kind in self.FINAL
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop is closed: nobody listens any more
+            self.cancelled.set()
+
+    async def next(self, request: Request | None = None) -> tuple[str, Any] | None:
+        """The next event; with ``request``, None as soon as its client has gone."""
+        get = asyncio.ensure_future(self._events.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({get}, timeout=0.25 if request else None)
+                if done:
+                    return get.result()
+                if await request.is_disconnected():
+                    return None
+        finally:
+            get.cancel()
+
+
+class EventStream(StreamingResponse):
+    """A Job's chunks as server-sent events. Whatever ends the response - the last event, the client
+    leaving (Starlette then cancels it), the server stopping - stops the Job: its generator's ``finally``
+    alone would not run if the cancellation came while it was suspended at a ``yield``."""
+
+    def __init__(self, job: Job, first: tuple[str, Any]):
+        self.job = job
+        super().__init__(self._events(first), media_type="text/event-stream")
+
+    async def _events(self, event: tuple[str, Any]):
+        while True:
+            kind, payload = event
+            if kind == "chunk":
+                yield f"data: {json.dumps(payload)}\n\n"
+            else:
+                if kind == "error":  # after the 200: the error goes in the stream, as OpenAI's does
+                    yield f"data: {json.dumps(error_body(*payload))}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            event = await self.job.next()
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancelled.set()
+
+
+class Runner:
+    """The model, its lock and the server's settings; runs Jobs."""
+
+    def __init__(self, llm: Llama, max_tokens_limit: int, busy_timeout: float, max_waiting: int):
+        self.llm, self.max_tokens_limit, self.busy_timeout = llm, max_tokens_limit, busy_timeout
+        self.lock = threading.Lock()
+        self.slots = threading.BoundedSemaphore(max_waiting + 1)  # the running job and those waiting for it
+        self.shutdown = threading.Event()
+        self.current: Job | None = None
+        self.since = 0.0  # when the current job took the lock
+        self.stats = llm.kv_stats().as_dict()  # figures at the end of the last job
+        # llama-cpp-python's create_chat_completion takes no stopping_criteria, but every token either call
+        # generates goes through eval: the one place to stop both, streamed or not, at the next token
+        evaluate = llm.eval
+
+        def eval_unless_stopped(tokens):
+            if self.current is not None and self.current.stopped():
+                raise Cancelled
+            return evaluate(tokens)
+
+        llm.eval = eval_unless_stopped
+
+    async def submit(self, request: Request, req: KVFields, call) -> Response:
+        """Run ``call(stream=..., **sampling)`` as a Job; answer JSON, an error, or a stream."""
+        if not self.slots.acquire(blocking=False):
+            return error(503, "the server is busy: too many requests are waiting")
+        job = Job(self.shutdown)
+        try:
+            threading.Thread(target=self._work, args=(job, req, call), name="ahakv-job", daemon=True).start()
+        except RuntimeError:  # no thread to be had
+            self.slots.release()
+            return error(503, "the server is busy")
+        streaming = False
+        try:
+            event = await job.next(request)
+            if event is None:
+                return error(499, "the client closed the connection")  # nginx's code; nobody reads it
+            kind, payload = event
+            if kind == "error":
+                return error(*payload)
+            if kind == "result":
+                return JSONResponse(payload)
+            streaming = True
+            return EventStream(job, event)
+        finally:
+            if not streaming:
+                job.cancelled.set()  # a no-op after the end; stops the worker if this coroutine was cancelled
+
+    def _work(self, job: Job, req: KVFields, call) -> None:
+        """The worker thread: the lock's whole life, and everything that touches the model."""
+        try:
+            if self._acquire(job):
+                try:
+                    self.current, self.since = job, time.monotonic()
+                    self._generate(job, req, call)
+                finally:
+                    self.current = None
+                    with contextlib.suppress(Exception):  # figures for /v1/kv/stats; never worth keeping the lock
+                        self.stats = self.llm.kv_stats().as_dict()
+                    self.lock.release()
+            else:  # (nobody reads it if the client has gone)
+                job.post("error", (503, self._busy_message()))
+        finally:
+            self.slots.release()
+            if not job.finished:  # a bug above: the client still gets an answer, not a hang
+                job.post("error", (500, "internal error"))
+
+    def _acquire(self, job: Job) -> bool:
+        deadline = time.monotonic() + self.busy_timeout
+        while not job.stopped():
+            if self.lock.acquire(timeout=0.1):  # short waits, to notice a client that left or a stop signal
+                return True
+            if time.monotonic() > deadline:
+                return False
+        return False
+
+    def _busy_message(self) -> str:
+        if self.shutdown.is_set():
+            return "the server is shutting down"
+        return f"the server is busy: one request has held the model for {time.monotonic() - self.since:.0f} s"
+
+    def _generate(self, job: Job, req: KVFields, call) -> None:
+        try:
+            with self.settings(req):
+                out = call(stream=req.stream, **self.sampling(req))
+                if not req.stream:
+                    job.post("result", out)
+                    return
+                with contextlib.closing(out):  # closed here, in the thread that ran it
+                    for chunk in out:
+                        job.post("chunk", chunk)
+                job.post("done")
+        except Cancelled:  # the server is stopping (or the client left, and nobody reads this)
+            job.post("error", (503, "the server is shutting down"))
+        except (AhakvError, ValueError) as exc:  # the request's mistake, found here or by llama-cpp-python
+            job.post("error", (400, str(exc)))
+            self.llm.reset()  # a prompt may have failed half-read (a full cache): the next request starts clean
+        except Exception as exc:
+            log.exception("request failed")
+            job.post("error", (500, f"internal error: {type(exc).__name__}: {exc}"))
+            self.llm.reset()
+
+    def sampling(self, req: KVFields) -> dict:
+        limit = self.max_tokens_limit
+        kw = {
+            "max_tokens": min(req.max_tokens or limit, limit),
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "stop": req.stop,
+            # llama.cpp's seeds are uint32; ctypes would wrap the same way, or fail past 64 bits
+            "seed": None if req.seed is None else req.seed & 0xFFFFFFFF,
+            "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty,
+        }
+        return {k: v for k, v in kw.items() if v is not None}
+
+    @contextlib.contextmanager
+    def settings(self, req: KVFields):
+        """Apply a request's kv_budget / kv_policy once both pass every check; restore the server's after."""
+        kv = self.llm.kv_controller
         if req.kv_budget is None and req.kv_policy is None:
             yield
             return
         if kv is None:
             raise AhakvError("this server runs without a KV budget: kv_budget and kv_policy are not available")
         saved_budget, saved_policy = kv.config.budget, kv.policy
-        if req.kv_budget is not None:
-            b = Budget.parse(req.kv_budget)
-            kv.check_floor(b)
-            if not kv.fits(b):
-                raise AhakvError(f"kv_budget {int(b.value)} exceeds this server's {llm.kv_stats().kv_cells} cells")
-            kv.config.budget = b
+        budget, policy = saved_budget, saved_policy
+        if req.kv_budget is not None:  # with the server's auto-budget parameters
+            s = saved_budget
+            budget = Budget.parse(req.kv_budget, min_ratio=s.min_ratio, max_ratio=s.max_ratio, error_tol=s.error_tol)
         if req.kv_policy is not None:
-            kv.set_policy(make_policy(req.kv_policy))
-        llm.reset()  # the cached history was compressed under other settings
-        try:
+            policy = make_policy(req.kv_policy)
+        kv.check_budget(budget, policy)  # nothing has changed yet
+        try:  # the budget first: set_policy checks the policy against the budget in force
+            kv.config.budget = budget
+            kv.set_policy(policy)
+            self.llm.reset()  # the cached history was compressed under other settings
             yield
         finally:
             kv.config.budget = saved_budget
             kv.set_policy(saved_policy)
-            llm.reset()
+            self.llm.reset()
 
-    def sampling(req: KVFields) -> dict:
-        return {k: getattr(req, k) for k in SAMPLING if getattr(req, k) is not None}
+    def health(self) -> Response:
+        if self.lock.acquire(timeout=1.0):
+            self.lock.release()
+            return JSONResponse({"status": "ok"})
+        return error(503, self._busy_message())
 
-    def respond(req: KVFields, run):
-        if not lock.acquire(timeout=600):
-            return error(503, "the server is busy")
-        try:
-            settings = request_settings(req)
-            settings.__enter__()
-        except AhakvError as exc:
-            lock.release()
-            return error(400, str(exc))
-
-        def finish() -> None:
-            settings.__exit__(None, None, None)
-            lock.release()
-
-        if not req.stream:
+    def kv_stats(self) -> dict:
+        """Fresh figures while the model is free; during a generation, those at the end of the last job
+        (reading the engine while a worker decodes would race with it)."""
+        if self.lock.acquire(timeout=0.2):
             try:
-                return JSONResponse(run(False))
-            except ValueError as exc:  # llama-cpp-python's own request errors (context, grammar, ...)
-                return error(400, str(exc))
+                self.stats = self.llm.kv_stats().as_dict()
             finally:
-                finish()
+                self.lock.release()
+        return self.stats
 
-        def events():
-            try:
-                for chunk in run(True):
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                yield "data: [DONE]\n\n"
-            except ValueError as exc:
-                yield f"data: {json.dumps({'error': {'message': str(exc)}})}\n\n"
-            finally:
-                finish()
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+def create_app(
+    llm: Llama, model_name: str, max_tokens_limit: int = 2048, busy_timeout: float = 600.0, max_waiting: int = 32
+) -> FastAPI:
+    """The app; setting ``app.state.shutdown`` (a threading.Event) stops the generation in progress and
+    every request waiting for the model."""
+    app = FastAPI(title="ahakv-local", version="1")
+    runner = Runner(llm, max_tokens_limit, busy_timeout, max_waiting)
+    app.state.shutdown = runner.shutdown
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        def describe(e: dict) -> str:
+            if e["type"] == "json_invalid":
+                return f"the body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})"
+            where = ".".join(str(p) for p in e["loc"] if p != "body")
+            return f"{where}: {e['msg']}" if where else e["msg"]
+
+        errors = exc.errors()
+        more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+        return error(400, "; ".join(describe(e) for e in errors[:3]) + more)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        response = error(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})
+        return response
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        return error(500, f"internal error: {type(exc).__name__}")
 
     @app.get("/v1/models")
     def models():
@@ -127,16 +358,41 @@ def create_app(llm: Llama, model_name: str) -> FastAPI:
         }
 
     @app.post("/v1/completions")
-    def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         prompt = req.prompt if isinstance(req.prompt, str) else "".join(req.prompt)
-        return respond(req, lambda stream: llm.create_completion(prompt, stream=stream, **sampling(req)))
+        return await runner.submit(request, req, lambda **kw: llm.create_completion(prompt, **kw))
 
     @app.post("/v1/chat/completions")
-    def chat_completions(req: ChatRequest):
-        return respond(req, lambda stream: llm.create_chat_completion(req.messages, stream=stream, **sampling(req)))
+    async def chat_completions(req: ChatRequest, request: Request):
+        messages = [m.as_dict() for m in req.messages]
+        return await runner.submit(request, req, lambda **kw: llm.create_chat_completion(messages, **kw))
 
     @app.get("/v1/kv/stats")
     def kv_stats():
-        return llm.kv_stats().as_dict()
+        return runner.kv_stats()
+
+    @app.get("/health")
+    def health():
+        return runner.health()
 
     return app
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server whose stop signal also stops the generation in progress and the requests waiting
+    for the model: uvicorn alone waits for every open response to finish, however long it streams."""
+
+    def __init__(self, config: uvicorn.Config, stopping: threading.Event):
+        super().__init__(config)
+        self.stopping = stopping  # (uvicorn.Server has a shutdown method)
+
+    def handle_exit(self, sig, frame) -> None:
+        self.stopping.set()
+        super().handle_exit(sig, frame)
+
+
+def run_server(app: FastAPI, host: str, port: int) -> None:
+    """Serve until SIGINT/SIGTERM; open responses get GRACE_S seconds to end (a stopped generation ends
+    at its next token), then uvicorn cancels them and re-raises the signal."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACE_S)
+    Server(config, app.state.shutdown).run()

@@ -1,17 +1,28 @@
-"""`ahakv-local serve` answers the official openai client on localhost, streaming and not."""
+"""`ahakv-local serve` answers the official openai client on localhost, streaming and not, and stays
+usable whatever a client does: leaves mid-answer, sends a bad budget or policy, asks for unbounded output;
+a stop signal ends it promptly."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
+import uvicorn
 from openai import BadRequestError, OpenAI
+
+from ahakv_local.server import create_app
+
+LIMIT = 160  # the module server's --max-tokens-limit: long enough to pass the 96-cell budget, ~4 s here
+REPEAT = "one two three four five " * 20  # Gemma continues this greedily without an end token (~100 tokens)
 
 
 def free_port() -> int:
@@ -20,44 +31,91 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(gemma_model):
+def start_server(model, *args: str) -> tuple[subprocess.Popen, str]:
+    """`ahakv-local serve MODEL ARGS` on a free loopback port, once /health answers; (process, base URL).
+    One thread: llama.cpp's threads spin at barriers, which on 2 cores shared with other work slows it 10x."""
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "ahakv_local",
-        "serve",
-        str(gemma_model),
-        "--port",
-        str(port),
-        "--budget",
-        "96",
-        "--recent",
-        "16",
-        "--policy",
-        "ahakv",
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
-    base = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # bounded wait for the model to load
-        try:
-            with urllib.request.urlopen(base + "/models", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            time.sleep(0.5)
+    cmd = [sys.executable, "-m", "ahakv_local", "serve", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--threads", "1"]
+    proc = subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120  # loading the model takes a few seconds; 120 s bounds a broken start
+    while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"server exited: {proc.stdout.read().decode()}")
-    yield base
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    pytest.fail("the server did not start within 120 s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
     proc.terminate()
-    proc.wait(timeout=30)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail("the server ignored SIGTERM for 30 s")
+
+
+def call(base: str, path: str, body=None, timeout: float = 60) -> tuple[int, dict]:
+    """GET (body None) or POST a JSON body or raw bytes; (status, parsed JSON answer). The timeout only
+    guards against a hang: the slowest request here generates LIMIT tokens, ~4 s."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+def open_request(base: str, path: str, body: dict) -> socket.socket:
+    """Send a POST on a raw socket and return it unread, so a test can drop the connection at any point."""
+    host, port = base.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}"
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(head.encode() + b"\r\nConnection: close\r\n\r\n" + payload)
+    return sock
+
+
+def read_until(sock: socket.socket, marker: bytes) -> bytes:
+    seen = b""
+    while marker not in seen:
+        block = sock.recv(4096)
+        assert block, f"connection closed before {marker!r}: {seen[-500:]!r}"
+        seen += block
+    return seen
+
+
+def drop(sock: socket.socket) -> None:
+    """Close now, with a reset (SO_LINGER 0), as a crashed or impatient client does."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    sock.close()
+
+
+def generated(base: str) -> int:
+    return call(base, "/v1/kv/stats")[1]["generated_tokens"]  # every generated token the engine decoded
+
+
+@pytest.fixture(scope="module")
+def server(gemma_model):
+    proc, base = start_server(
+        gemma_model, "--budget", "96", "--recent", "16", "--policy", "ahakv", "--max-tokens-limit", str(LIMIT)
+    )
+    yield base
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return OpenAI(base_url=server, api_key="not-needed", max_retries=0, timeout=120)
+    return OpenAI(base_url=server + "/v1", api_key="not-needed", max_retries=0, timeout=120)
 
 
 def test_models(client):
@@ -88,8 +146,7 @@ def test_chat_and_stream_past_the_budget(client, server):
         model="local", messages=messages, max_tokens=150, temperature=0, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream) == answer
-    with urllib.request.urlopen(server + "/kv/stats", timeout=10) as r:
-        stats = json.load(r)
+    stats = call(server, "/v1/kv/stats")[1]
     assert stats["tokens_seen"] > 96 and stats["cells_used"] <= 96  # the conversation ran past the budget
 
 
@@ -102,7 +159,197 @@ def test_per_request_budget_and_policy(client, server):
         extra_body={"kv_budget": 64, "kv_policy": "h2o"},
     )
     assert out.choices[0].text is not None
-    with pytest.raises(BadRequestError, match="exceeds this server's"):
+    with pytest.raises(BadRequestError, match="does not fit"):
         client.completions.create(model="local", prompt="x", max_tokens=2, extra_body={"kv_budget": 100000})
     with pytest.raises(BadRequestError, match="unknown policy"):
         client.completions.create(model="local", prompt="x", max_tokens=2, extra_body={"kv_policy": "nope"})
+
+
+# -- defect 1: a client leaving mid-stream kept the model locked; defect 3: nor was a plain request cancelled
+
+
+def test_client_leaving_mid_stream_frees_the_model(server, client):
+    before = generated(server)
+    sock = open_request(server, "/v1/completions", {"prompt": REPEAT, "max_tokens": 0, "stream": True})
+    read_until(sock, b"data: {")  # the answer has started
+    drop(sock)
+    t0 = time.monotonic()
+    # the 30 s timeout only catches the old hang; the answer itself takes well under a second
+    out = client.with_options(timeout=30).completions.create(model="local", prompt="Hello", max_tokens=4)
+    assert out.choices[0].text is not None and time.monotonic() - t0 < 30
+    # the stream stopped at the token after the disconnect, not at LIMIT (40 tok/s here: a few tokens
+    # go by while the server notices; a quarter of LIMIT leaves room for a much slower machine)
+    assert generated(server) - before < LIMIT // 4 + 4
+
+
+def test_client_leaving_a_plain_request_cancels_it(server):
+    before = generated(server)
+    sock = open_request(server, "/v1/completions", {"prompt": REPEAT, "max_tokens": 0})
+    time.sleep(0.5)  # the generation is under way (the server polls for a gone client every 0.25 s)
+    drop(sock)
+    assert call(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200
+    # LIMIT tokens take ~4 s here; the server stopped within ~1 s of the drop, so far fewer went by
+    assert generated(server) - before < LIMIT * 3 // 4
+
+
+# -- defect 2: a budget that fails to parse answered 500 and kept the model locked
+
+
+def test_infinite_budget_is_a_400_and_the_server_answers(server):
+    status, body = call(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "kv_budget": "inf"})
+    assert status == 400 and "budget" in body["error"]["message"]
+    assert call(server, "/health", timeout=10)[0] == 200  # the model is free at once: 10 s is generous
+    assert call(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}, timeout=30)[0] == 200
+
+
+# -- defect 3: max_tokens 0 or null generated up to the trained context (32K tokens)
+
+
+@pytest.mark.parametrize("max_tokens", [0, None, 10**9])
+def test_max_tokens_is_bounded_by_the_server_limit(server, max_tokens):
+    status, body = call(server, "/v1/completions", {"prompt": REPEAT, "max_tokens": max_tokens, "temperature": 0})
+    assert status == 200
+    assert body["usage"]["completion_tokens"] == LIMIT and body["choices"][0]["finish_reason"] == "length"
+
+
+# -- defect 4: settings were changed before they were all checked
+
+
+def assert_the_servers_budget(server) -> None:
+    """A request past the budget runs under the server's own 96 cells, with consistent figures."""
+    status, body = call(server, "/v1/completions", {"prompt": REPEAT, "max_tokens": 8, "temperature": 0})
+    assert status == 200
+    stats = call(server, "/v1/kv/stats")[1]
+    assert stats["budget"] == 96 and stats["cells_used"] <= 96
+    usage = body["usage"]  # the last generated token is sampled, not decoded
+    assert stats["tokens_seen"] == usage["prompt_tokens"] + usage["completion_tokens"] - 1 > 96
+
+
+def test_a_refused_policy_leaves_the_servers_budget(server):
+    status, body = call(server, "/v1/completions", {"prompt": "x", "kv_budget": 64, "kv_policy": "nope"})
+    assert status == 400 and "unknown policy 'nope'" in body["error"]["message"]
+    assert_the_servers_budget(server)  # not the refused request's 64
+
+
+def test_auto_budget_needs_a_policy_with_an_error_model(server):
+    status, body = call(server, "/v1/completions", {"prompt": "x", "kv_budget": "auto", "kv_policy": "h2o"})
+    assert status == 400
+    assert body["error"]["message"] == "an auto budget needs a policy with an error model (ahakv), not h2o"
+    assert_the_servers_budget(server)  # not 'auto'
+    assert call(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "kv_budget": "auto"})[0] == 200
+
+
+def test_bad_requests_are_openai_errors(server):
+    cases = [
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+        (b'{"prompt": ', "not valid JSON"),
+        (b"[1, 2]", "dictionary"),
+    ]
+    for body, words in cases:
+        status, answer = call(server, "/v1/completions", body)
+        assert status == 400 and words in answer["error"]["message"], (body, answer)
+        assert answer["error"]["type"] == "invalid_request_error"
+    status, answer = call(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]})
+    assert status == 400 and answer["error"]["message"].startswith("messages.0.content")
+
+
+def test_health_says_busy_while_a_request_runs(server):
+    sock = open_request(server, "/v1/completions", {"prompt": REPEAT, "max_tokens": 0, "stream": True})
+    read_until(sock, b"data: {")
+    status, body = call(server, "/health", timeout=10)  # waits 1 s for the model, then answers
+    drop(sock)
+    assert status == 503 and "busy" in body["error"]["message"]
+    assert call(server, "/health", timeout=10)[0] == 200
+
+
+# -- defect 5: a stop signal waited for the generation in progress
+
+
+def test_sigterm_ends_a_generating_server_promptly(gemma_model):
+    proc, base = start_server(gemma_model, "--budget", "96", "--max-tokens-limit", "4000")
+    try:
+        streaming = open_request(base, "/v1/completions", {"prompt": REPEAT, "max_tokens": 4000, "stream": True})
+        read_until(streaming, b"data: {")
+        waiting = open_request(base, "/v1/completions", {"prompt": "x", "max_tokens": 4})  # waits for the model
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        # 4000 tokens would take ~100 s; the server stops them at the next token and gives open responses
+        # GRACE_S = 3 s. 10 s leaves room for a loaded machine
+        code = proc.wait(timeout=10)
+        assert code in (0, -signal.SIGTERM) and time.monotonic() - t0 < 10
+        try:
+            answer = waiting.recv(4096)
+        except ConnectionResetError:
+            answer = b""
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 503")  # told it is shutting down, or closed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# -- every exit path releases the model: a fake model that fails where no real request can
+
+
+class FakeLlama:
+    """Just what the server calls; "boom" raises an unexpected error, any other prompt streams tokens."""
+
+    kv_controller = None
+    model_path = "fake"
+
+    def __init__(self):
+        self.decoded = 0
+
+    def kv_stats(self):
+        return type("Stats", (), {"as_dict": lambda _: {"tokens_seen": self.decoded}})()
+
+    def eval(self, tokens):
+        self.decoded += len(tokens)
+
+    def reset(self):
+        pass
+
+    def create_completion(self, prompt, stream=False, max_tokens=16, **kw):
+        if prompt == "boom":
+            raise RuntimeError("an unexpected failure")
+
+        def tokens():
+            for _ in range(max_tokens):
+                self.eval([0])  # where the server stops a cancelled generation
+                time.sleep(0.01)
+                yield {"choices": [{"text": "t", "index": 0, "finish_reason": None}]}
+
+        if stream:
+            return tokens()
+        return {"choices": [{"text": "".join(c["choices"][0]["text"] for c in tokens())}]}
+
+
+def test_an_unexpected_error_is_a_500_and_frees_the_model():
+    llm = FakeLlama()
+    port = free_port()
+    app = create_app(llm, "fake", max_tokens_limit=50)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30  # an in-process app starts in well under a second
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status, body = call(base, "/v1/completions", {"prompt": "boom"}, timeout=10)
+        assert status == 500 and "RuntimeError" in body["error"]["message"]
+        status, body = call(base, "/v1/completions", {"prompt": "ok", "max_tokens": 5}, timeout=10)
+        assert status == 200 and body["choices"][0]["text"] == "ttttt"
+        sock = open_request(base, "/v1/completions", {"prompt": "ok", "max_tokens": 2000, "stream": True})
+        read_until(sock, b"data: {")
+        drop(sock)
+        t0 = time.monotonic()
+        status, body = call(base, "/v1/completions", {"prompt": "ok", "max_tokens": 0}, timeout=10)
+        assert status == 200 and body["choices"][0]["text"] == "t" * 50  # max_tokens 0: the server's limit
+        # the dropped stream stopped at once, not after its 2000 tokens (20 s); 200 tokens is 2 s of slack
+        assert time.monotonic() - t0 < 10 and llm.decoded < 5 + 200 + 50
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
