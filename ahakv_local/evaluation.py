@@ -4,15 +4,17 @@ The first ``prefix`` tokens go through the controller's chunked prefill (their N
 chunk's logits); every later token is decoded alone, scored from the previous step's logits, and
 the cache is brought back to the budget after every step.
 
-``evaluate`` runs a full-cache reference and every (policy, budget) run in lockstep, one token at a
-time, so each step's next-token distribution is compared with the full cache's exactly (KL divergence
-and top-1 agreement) without storing vocabulary-sized rows.
+``evaluate`` runs the full cache first and stores its next-token log-probabilities on disk, compactly
+(``LogProbStore``, llama.cpp's KL-divergence base); then each (policy, budget) alone, comparing every
+step with the stored rows (KL divergence and top-1 agreement). One engine is open at a time, so memory
+does not grow with the number of configurations.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from .engine import Engine, EngineConfig
 from .policies import make_policy
 
 CONTROLLER_KEYS = ("evict_every", "observe_steps")  # config params that go to the controller, not the policy
+Q_LEVELS = 65535  # uint16
 
 
 @dataclass
@@ -53,6 +56,68 @@ def _log_softmax32(logits: np.ndarray) -> np.ndarray:
 
 def token_nll(logits: np.ndarray, target: int) -> float:
     return float(-log_softmax(logits)[target])
+
+
+class LogProbStore:
+    """Rows of log-probabilities in a temporary file, one record per scored token, as llama.cpp's
+    ``perplexity --kl-divergence-base`` stores them: the row's minimum and step (float32), its argmax,
+    and every entry quantized to uint16, ``log p ~= min + q * scale`` with ``scale = (max - min) / 65535``.
+    Gemma 3 (262K tokens): 512 KiB a row, 0.5 GiB per 1,024 scored tokens, read back with explicit
+    reads a chunk at a time (page cache, not the process's memory).
+
+    Error: q is rounded to the nearest step (in float64, with the float32 scale rounded up so that no
+    entry is clipped), so every entry is within ``scale / 2`` of its float32 value: |d log p| <= e =
+    scale / 2 (Gemma 3 on GPL-3: rows span 29-61 nats, e = 2.2e-4 to 4.7e-4). For KL(p || q) = sum p log p
+    - sum p log q computed with p' = p exp(d): KL' - KL = sum p (exp(d) - 1)(log p - log q) + sum p exp(d) d,
+    so |KL' - KL| <= (exp(e) - 1) E_p|log p - log q| + e exp(e) ~ e (1 + E_p|log p/q|) per token, at worst;
+    the rounding errors are unbiased and mostly cancel (Gemma 3, h2o at 96 cells: 2.2e-6 from the exact KL,
+    bound 3.8e-4; tests/test_evaluation.py). The argmax is stored exactly, so top-1 is exact.
+    """
+
+    def __init__(self, n_vocab: int, directory: str | Path | None = None):
+        self.dtype = np.dtype([("min", "<f4"), ("scale", "<f4"), ("top", "<i4"), ("q", "<u2", (n_vocab,))])
+        self.file = tempfile.TemporaryFile(dir=directory)  # unlinked already: gone when closed
+
+    @staticmethod
+    def quantize(logp: np.ndarray, out: np.void) -> None:
+        """One float32 row into one record."""
+        lo, hi = logp.min(), float(logp.max())
+        scale = np.nextafter(np.float32((hi - float(lo)) / Q_LEVELS), np.float32(np.inf))
+        out["min"], out["scale"], out["top"] = lo, scale, np.argmax(logp)
+        out["q"] = np.rint((logp.astype(np.float64) - float(lo)) / float(scale))
+
+    @staticmethod
+    def dequantize(rec: np.void) -> np.ndarray:
+        return float(rec["min"]) + rec["q"] * float(rec["scale"])  # float64
+
+    def write(self, logp: np.ndarray) -> None:
+        recs = np.empty(len(logp), self.dtype)
+        for rec, row in zip(recs, logp, strict=True):
+            self.quantize(row, rec)
+        self.file.write(recs.tobytes())
+
+    def rewind(self) -> None:
+        self.file.flush()
+        self.file.seek(0)
+
+    def read(self, n: int) -> np.ndarray:
+        recs = np.empty(n, self.dtype)
+        if self.file.readinto(recs) != recs.nbytes:
+            raise EOFError("the log-probability store has fewer rows than were scored")
+        return recs
+
+    def compare(self, recs: np.ndarray, logq: np.ndarray) -> tuple[list[float], list[bool]]:
+        """KL(stored || logq) and top-1 agreement per row (row by row: float64 temporaries of one row)."""
+        kl, top1 = [], []
+        for rec, lq in zip(recs, logq, strict=True):
+            lp = self.dequantize(rec)
+            p = np.exp(lp.astype(np.float32)).astype(np.float64)  # 2x faster; p to 6e-8 relative
+            kl.append(float(p @ (lp - lq)))  # sum p log p - sum p log q
+            top1.append(bool(np.argmax(lq) == rec["top"]))
+        return kl, top1
+
+    def close(self) -> None:
+        self.file.close()
 
 
 @dataclass
@@ -110,6 +175,32 @@ def _open(
     return _Run(label, policy, budget, params, engine, ctl)
 
 
+def _nll(logp: np.ndarray, targets: list[int]) -> list[float]:
+    return (-logp[np.arange(len(targets)), targets]).astype(np.float64).tolist()
+
+
+def _stream(run: _Run, tokens: list[int], prefix: int, step: int) -> Iterator[tuple[int, np.ndarray]]:
+    """Decode ``tokens`` through the run's controller (the prefix in n_ubatch chunks, then ``step`` at a
+    time: token by token through ``KVController.step`` or one decode call per step, the cache brought back
+    to the budget after each); yield (a, logp): float32 log-softmax rows predicting tokens[a : a + len]."""
+    n_ubatch = run.engine.config.n_ubatch
+    spans = [(a, min(a + n_ubatch, prefix)) for a in range(0, prefix, n_ubatch)]
+    spans += [(a, min(a + step, len(tokens))) for a in range(prefix, len(tokens), step)]
+    last: np.ndarray | None = None
+    for a, b in spans:
+        t0 = time.perf_counter()
+        if a >= prefix and step == 1:
+            rows = run.ctl.step(tokens[a])[None]
+        else:
+            rows = run.ctl.prefill(tokens[a:b], all_logits=True, chunk=n_ubatch if a < prefix else step)
+        run.seconds += time.perf_counter() - t0
+        run.peak = max(run.peak, run.ctl.live.size)
+        # the logits that predicted this chunk: the previous call's last row, then this call's
+        logp, first = (rows[:-1], a + 1) if last is None else (np.concatenate([last[None], rows[:-1]]), a)
+        last = rows[-1].copy()
+        yield first, _log_softmax32(logp)
+
+
 def evaluate(
     model: Path,
     tokens: list[int],
@@ -120,57 +211,49 @@ def evaluate(
     n_recent: int = 32,
     step: int = 1,
     progress: Callable[[int, int], None] = lambda done, total: None,
+    store_dir: str | Path | None = None,
 ) -> dict[str, PplResult]:
     """Streaming perplexity, KL from the full cache and top-1 agreement for each (label, policy, budget,
     params), plus the full cache itself under the label "full".
 
     After the prefix, tokens go in ``step`` at a time (1: token by token through ``KVController.step``;
     more: one decode call per step, every row scored, the cache brought back to the budget after
-    each, so it never holds more than budget + step cells)."""
+    each, so it never holds more than budget + step cells). The full cache runs first and leaves its
+    rows in a ``LogProbStore`` (a temporary file in ``store_dir``, default the system's); then each
+    configuration runs alone, and its engine is closed before the next opens. ``progress`` counts
+    tokens over all runs: (done, len(tokens) * (len(configs) + 1))."""
     if not 1 <= step <= n_ubatch:
         raise ValueError(f"step must be between 1 and n_ubatch ({n_ubatch})")
-    full = Budget("cells", 10**9)
-    runs = [_open(model, len(tokens), "full", full, n_ubatch, n_sink, n_recent, {}, "full", step)]
-    runs += [
-        _open(model, len(tokens), p, Budget.parse(b), n_ubatch, n_sink, n_recent, kw, label, step)
-        for label, p, b, kw in configs
-    ]
+    specs = [("full", "full", Budget("cells", 10**9), {})]
+    specs += [(label, p, Budget.parse(b), kw) for label, p, b, kw in configs]
+    total = len(tokens) * len(specs)
+    results: dict[str, PplResult] = {}
+    store: LogProbStore | None = None
     try:
-        last: list[np.ndarray] = []
-        for run in runs:  # the prefix, in chunks
-            t0 = time.perf_counter()
-            rows = run.ctl.prefill(tokens[:prefix], all_logits=True)
-            run.seconds += time.perf_counter() - t0
-            run.nll += [token_nll(row, t) for row, t in zip(rows[:-1], tokens[1:prefix], strict=True)]
-            run.peak = run.ctl.live.size
-            last.append(rows[-1])
-        for start in range(prefix, len(tokens), step):  # then all configurations in lockstep
-            chunk = tokens[start : start + step]
-            for i, run in enumerate(runs):
-                t0 = time.perf_counter()
-                if step == 1:
-                    rows = run.ctl.step(chunk[0])[None]
-                else:
-                    rows = run.ctl.prefill(chunk, all_logits=True, chunk=step)
-                run.seconds += time.perf_counter() - t0
-                run.peak = max(run.peak, run.ctl.live.size)
-                # the logits that predicted this chunk: the previous call's last row, then this call's
-                logp = _log_softmax32(np.concatenate([last[i][None], rows[:-1]]))
-                last[i] = rows[-1]
-                run.nll += (-logp[np.arange(len(chunk)), chunk]).astype(np.float64).tolist()
-                if i == 0:
-                    reference, p_ref = logp, np.exp(logp)
-                    # KL(p || q) = sum p log p - sum p log q: the first term once per chunk
-                    entropy_term = np.einsum("ij,ij->i", p_ref, reference, dtype=np.float64)
-                    top_ref = np.argmax(reference, axis=1)
-                else:
-                    run.kl += (entropy_term - np.einsum("ij,ij->i", p_ref, logp, dtype=np.float64)).tolist()
-                    run.top1 += (np.argmax(logp, axis=1) == top_ref).tolist()
-            progress(min(start + step, len(tokens)), len(tokens))
-        return {run.label: run.result(len(tokens)) for run in runs}
+        for k, (label, policy, budget, params) in enumerate(specs):
+            run = _open(model, len(tokens), policy, budget, n_ubatch, n_sink, n_recent, params, label, step)
+            try:
+                if k == 0 and configs:
+                    store = LogProbStore(run.engine.n_vocab, store_dir)
+                for a, logp in _stream(run, tokens, prefix, step):
+                    run.nll += _nll(logp, tokens[a : a + len(logp)])
+                    if store is not None and a >= prefix:  # the steps after the prefix are compared
+                        if k == 0:
+                            store.write(logp)
+                        else:
+                            kl, top1 = store.compare(store.read(len(logp)), logp)
+                            run.kl += kl
+                            run.top1 += top1
+                    progress(k * len(tokens) + a + len(logp), total)
+            finally:
+                run.engine.close()
+            results[label] = run.result(len(tokens))
+            if store is not None:
+                store.rewind()
+        return results
     finally:
-        for run in runs:
-            run.engine.close()
+        if store is not None:
+            store.close()
 
 
 def streaming_perplexity(
@@ -188,15 +271,8 @@ def streaming_perplexity(
     b = Budget.parse(budget)
     run = _open(model, len(tokens), policy, b, n_ubatch, n_sink, n_recent, policy_params, policy)
     try:
-        t0 = time.perf_counter()
-        rows = run.ctl.prefill(tokens[:prefix], all_logits=True)
-        run.nll += [token_nll(row, t) for row, t in zip(rows[:-1], tokens[1:prefix], strict=True)]
-        logits, run.peak = rows[-1], run.ctl.live.size
-        for tok in tokens[prefix:]:
-            run.nll.append(token_nll(logits, tok))
-            logits = run.ctl.step(tok)
-            run.peak = max(run.peak, run.ctl.live.size)
-        run.seconds = time.perf_counter() - t0
+        for a, logp in _stream(run, tokens, prefix, 1):
+            run.nll += _nll(logp, tokens[a : a + len(logp)])
         return run.result(len(tokens))
     finally:
         run.engine.close()
