@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.ahakv-installed
 $(STAMP): pyproject.toml
 	@test -n "$(VIRTUAL_ENV)" || test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]'   # dev = every extra (build, serve, eval) + the test tools
 	@touch $@
 
 setup: $(STAMP)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import AhakvError
+from .extras import require
 from .paths import cache_dir, project_root
 
 SDIST_NAME = "llama_cpp_python"
@@ -161,6 +162,7 @@ def apply_patches(tree: Path, patches: tuple[Path, ...]) -> None:
 
 
 def build_wheel(tree: Path, build_dir: Path, out: Path, cmake_args: tuple[str, ...]) -> Path:
+    require("build")
     env = dict(os.environ, CMAKE_ARGS=" ".join(cmake_args))
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
     out.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import signal
 import sys
 import time
@@ -18,22 +17,26 @@ from pathlib import Path
 
 import click
 
+from . import upstream
 from .controller import Budget
 from .errors import AhakvError
 from .llama import Llama
 from .paths import cache_dir
-from .policies import make_policy
+from .policies import POLICIES, make_policy
+from .saved_chat import load_chat, save_chat
 
 HELP = """commands:
   /help             this text
   /reset            forget the conversation (keeps the system prompt)
   /stats            cache and speed statistics
-  /policy NAME      switch the eviction policy (full, streaming, random, h2o, scissorhands, tova, snapkv, ahakv)
+  /policy NAME      switch the eviction policy ({policies})
   /budget N|R|auto  change the budget (cells, a ratio like 0.25, or auto), up to the allocated cells
   /save FILE        save the conversation and its cache
   /load FILE        restore a conversation saved with /save
   /exit             quit (also Ctrl-D, or Ctrl-C twice)
-A line ending in \\ continues on the next line; \"\"\" starts and ends a multi-line block."""
+A line ending in \\ continues on the next line; \"\"\" starts and ends a multi-line block.""".format(
+    policies=", ".join(POLICIES)
+)
 
 
 @dataclass
@@ -61,28 +64,22 @@ class ChatSession:
         kv = self.llm.kv_controller
         if kv is None or not self.system:
             return
-        a, b = (self._prompt_tokens(self.messages + [{"role": "user", "content": x}]) for x in ("A", "B"))
+        system = [{"role": "system", "content": self.system}]  # only the system prompt, whatever follows it
+        a, b = (self._prompt_tokens(system + [{"role": "user", "content": x}]) for x in ("A", "B"))
         n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         kv.config.pinned = (0, n)
 
     def _prompt_tokens(self, messages: list[dict]) -> list[int]:
         """The tokens the chat handler would decode for ``messages`` (the GGUF's own template)."""
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        template = self.llm.metadata.get("tokenizer.chat_template")
-        if not template:
-            return self.llm.tokenize("".join(m["content"] for m in messages).encode(), add_bos=True)
-        vocab = self.llm._model
-        bos = vocab.token_get_text(self.llm.token_bos())
-        eos = vocab.token_get_text(self.llm.token_eos())
-        result = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)(messages=messages)
-        return self.llm.tokenize(result.prompt.encode(), add_bos=not result.added_special, special=True)
+        return upstream.chat_prompt_tokens(self.llm, messages)
 
     def answer(self, text: str, out, stop=lambda: False) -> str:
-        """Stream the reply to ``text`` until it ends or ``stop()`` says so; what was said is kept."""
+        """Stream the reply to ``text`` until it ends or ``stop()`` says so; what was said is kept.
+        A message the model refuses before answering (longer than its context) is taken back, so it
+        does not make every later turn fail."""
         self.messages.append({"role": "user", "content": text})
         self.llm.reset_timings()
-        reply = []
+        reply: list[str] | None = []
         try:
             stream = self.llm.create_chat_completion(
                 messages=self.messages,
@@ -101,8 +98,14 @@ class ChatSession:
                 if stop():
                     stream.close()  # between two decodes: the cache and the history stay consistent
                     break
+        except (AhakvError, ValueError):
+            if not "".join(reply):
+                self.messages.pop()  # nothing was answered: the conversation is as before this message
+                reply = None
+            raise
         finally:
-            self.messages.append({"role": "assistant", "content": "".join(reply)})
+            if reply is not None:  # what was said stays, also when a second Ctrl-C ends the chat
+                self.messages.append({"role": "assistant", "content": "".join(reply)})
         return "".join(reply)
 
     def stats_line(self) -> str:
@@ -140,17 +143,7 @@ class ChatSession:
             max_ratio=kv.config.budget.max_ratio,
             error_tol=kv.config.budget.error_tol,
         )
-        cells = self.llm.kv_stats().kv_cells
-        kv.check_floor(b)
-        if not kv.fits(b):
-            raise AhakvError(
-                f"budget {int(b.value)} does not fit the {cells} allocated cells with a prompt chunk of "
-                f"{self.llm.n_batch}: restart with --budget {int(b.value)}"
-            )
-        if b.mode == "auto" and not hasattr(kv.policy, "predicted_error"):
-            raise AhakvError("an auto budget needs the ahakv policy (/policy ahakv)")
-        kv.config.budget = b
-        evicted = kv.evict()
+        evicted = kv.set_budget(b)  # checks the floor, the allocated cells and the policy's capability
         return f"budget: {b} (evicted {evicted} now)"
 
     def _controller(self):
@@ -159,24 +152,13 @@ class ChatSession:
         return self.llm.kv_controller
 
     def save(self, path: Path) -> str:
-        data = {"messages": self.messages, "system": self.system, "state": self.llm.save_state()}
-        tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("wb") as f:
-            pickle.dump(data, f)
-        tmp.replace(path)  # never a half-written file in place of a good one
+        save_chat(path, self.llm, self.messages, self.system)
         return f"saved {len(self.messages)} messages and {self.llm.kv_stats().cells_used} cached tokens to {path}"
 
     def load(self, path: Path) -> str:
-        try:
-            with path.open("rb") as f:
-                data = pickle.load(f)
-            messages, state = data["messages"], data["state"]
-        except FileNotFoundError:
-            raise AhakvError(f"no such file: {path}") from None
-        except Exception as exc:
-            raise AhakvError(f"{path} is not a saved ahakv-local chat ({exc.__class__.__name__})") from None
-        self.llm.load_state(state)
-        self.messages, self.system = messages, data.get("system")
+        """Restore a chat saved with /save; a file that is not one (or of another model) changes nothing."""
+        messages, system = load_chat(path, self.llm)
+        self.messages, self.system = messages, system
         self._pin_system_prompt()
         return f"loaded {len(messages)} messages, {self.llm.kv_stats().cells_used} cached tokens"
 
@@ -217,10 +199,11 @@ def setup_history() -> None:
 
 
 def run_chat(session: ChatSession) -> None:
-    try:
-        _repl(session)
-    finally:
-        keep_transcript(session)
+    with ExitOnHangup():
+        try:
+            _repl(session)
+        finally:
+            keep_transcript(session)
 
 
 def keep_transcript(session: ChatSession) -> None:
@@ -322,6 +305,24 @@ class StopOnInterrupt:
 
     def __exit__(self, *exc) -> None:
         signal.signal(signal.SIGINT, self._previous)
+
+
+class ExitOnHangup:
+    """SIGTERM and SIGHUP (a closed terminal, a dropped SSH session) end the chat like /exit: Python's
+    default would kill the process without running ``finally``, losing the transcript."""
+
+    SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+    def _handler(self, signum, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    def __enter__(self) -> ExitOnHangup:
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def install_sigint_default() -> None:

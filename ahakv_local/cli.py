@@ -6,6 +6,7 @@ User mistakes end in one line on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -14,7 +15,7 @@ from .errors import AhakvError
 
 
 class Group(click.Group):
-    """Turns AhakvError into ``error: ...`` and exit code 1."""
+    """Turns AhakvError into ``error: ...`` and exit code 1, a bad option into one line and exit code 2."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -22,6 +23,10 @@ class Group(click.Group):
         except AhakvError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(1)
+        except click.UsageError as exc:  # a bad option value: one line too, not click's usage block
+            hint = f" (see {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+            click.echo(f"error: {exc.format_message()}{hint}", err=True)
+            sys.exit(2)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
@@ -60,6 +65,7 @@ def engine_options(f):
         click.option(
             "-c",
             "--ctx-size",
+            type=Count,
             default=4096,
             show_default=True,
             envvar="AHAKV_CTX_SIZE",
@@ -73,16 +79,17 @@ def engine_options(f):
             help="KV budget: cells (512), a ratio of the tokens seen (0.25 or 25%), or auto.",
         ),
         click.option(
-            "--policy",
-            default="ahakv",
-            show_default=True,
-            envvar="AHAKV_POLICY",
-            help="Eviction policy: " + ", ".join(POLICY_NAMES) + ".",
+            "--policy", cls=PolicyOption, default="ahakv", show_default=True, envvar="AHAKV_POLICY"
         ),
-        click.option("--sinks", default=4, show_default=True, envvar="AHAKV_SINKS", help="Protected first tokens."),
-        click.option("--recent", default=32, show_default=True, envvar="AHAKV_RECENT", help="Protected recent tokens."),
+        click.option(
+            "--sinks", type=Count, default=4, show_default=True, envvar="AHAKV_SINKS", help="Protected first tokens."
+        ),
+        click.option(
+            "--recent", type=Count, default=32, show_default=True, envvar="AHAKV_RECENT", help="Protected last tokens."
+        ),
         click.option(
             "--error-tol",
+            type=click.FloatRange(min=0, min_open=True, max=1),
             default=0.05,
             show_default=True,
             envvar="AHAKV_ERROR_TOL",
@@ -97,15 +104,17 @@ def engine_options(f):
         ),
         click.option(
             "--observe-steps",
+            type=Count,
             default=1,
             show_default=True,
             envvar="AHAKV_OBSERVE_STEPS",
             help="Steps before each eviction whose full statistics the policy reads (0 = every step).",
         ),
-        click.option("-t", "--threads", type=int, default=None, envvar="AHAKV_THREADS", help="CPU threads."),
+        click.option("-t", "--threads", type=Positive, default=None, envvar="AHAKV_THREADS", help="CPU threads."),
         click.option(
             "-ngl",
             "--n-gpu-layers",
+            type=click.IntRange(min=-1),
             default=0,
             show_default=True,
             envvar="AHAKV_N_GPU_LAYERS",
@@ -113,7 +122,7 @@ def engine_options(f):
         ),
         click.option(
             "--batch-size",
-            type=int,
+            type=Positive,
             default=None,
             help="Prompt tokens per decode call (default: 64 with a budget, to keep the cells near it; 512).",
         ),
@@ -123,7 +132,27 @@ def engine_options(f):
     return f
 
 
-POLICY_NAMES = ("full", "streaming", "random", "h2o", "scissorhands", "tova", "snapkv", "ahakv")
+
+
+class PolicyOption(click.Option):
+    """--policy, whose help lists the registry's names; read only when help is shown (importing the
+    policies pulls numpy, which a command like `info` does not need)."""
+
+    def get_help_record(self, ctx: click.Context):
+        from .policies import POLICIES
+
+        self.help = "Eviction policy: " + ", ".join(POLICIES) + "."
+        return super().get_help_record(ctx)
+
+Count = click.IntRange(min=0)  # click reports a value outside the range in one line, with the option's name
+Positive = click.IntRange(min=1)
+
+
+def utf8(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise AhakvError(f"{where} is not UTF-8 text (byte {exc.start}): convert it first, e.g. with iconv") from None
 
 
 def load_llama(
@@ -136,12 +165,13 @@ def load_llama(
     from .models import resolve_model
     from .policies import make_policy
 
-    path = resolve_model(model, progress=True)
-    read_info(path)  # a clear error for an unsupported architecture before llama.cpp tries
+    # the user's own mistakes first, before the model is assembled or read
     make_policy(policy)  # a clear error for an unknown policy
     if budget is not None:
         Budget.parse(budget)  # a clear error for a malformed budget; the controller checks its size
     evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
+    path = resolve_model(model, progress=True)
+    read_info(path)  # a clear error for an unsupported architecture before llama.cpp tries
     from .native import lib
 
     lib()  # refuse an unpatched or missing engine with one line, before llama_cpp is imported
@@ -205,23 +235,29 @@ def chat(model, system, n_predict, temp, top_k, top_p, seed, **engine) -> None:
 @click.option("--stats", is_flag=True, help="Print prompt/generation speed and cache figures to stderr.")
 def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, stats, **engine) -> None:
     """Generate a continuation of a prompt."""
+    if n_predict < 1:
+        raise AhakvError("-n/--n-predict must be at least 1")
     if prompt is None:
         if prompt_file:
             try:
-                prompt = open(prompt_file, encoding="utf-8").read()
+                prompt = utf8(Path(prompt_file).read_bytes(), prompt_file)
             except OSError as exc:
                 raise AhakvError(f"cannot read {prompt_file}: {exc.strerror}") from None
         elif not sys.stdin.isatty():
-            prompt = sys.stdin.read()
+            prompt = utf8(sys.stdin.buffer.read(), "standard input")
         else:
             raise AhakvError("give a prompt with -p, --file or on standard input")
     llm = load_llama(model, **engine)
     generated = 0
-    for chunk in llm.create_completion(
+    stream = llm.create_completion(
         prompt, max_tokens=n_predict, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, stream=True
-    ):
-        click.echo(chunk["choices"][0]["text"], nl=False)
-        generated += chunk["choices"][0]["finish_reason"] is None  # one chunk per token, then a final one
+    )
+    try:
+        for chunk in stream:
+            click.echo(chunk["choices"][0]["text"], nl=False)
+            generated += chunk["choices"][0]["finish_reason"] is None  # one chunk per token, then a final one
+    except ValueError as exc:  # llama-cpp-python's request errors: the prompt does not fit the context
+        raise AhakvError(str(exc)) from None
     click.echo()
     if stats:
         s = llm.kv_stats()
@@ -253,16 +289,22 @@ def info(model, budget, ctx_size) -> None:
 @engine_options
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="AHAKV_HOST")
 @click.option("--port", default=8000, show_default=True, envvar="AHAKV_PORT")
-def serve(model, host, port, **engine) -> None:
-    """An OpenAI-compatible server (completions, chat completions, streaming)."""
-    import uvicorn
-
-    from .server import create_app
+@click.option(
+    "--max-tokens-limit",
+    type=click.IntRange(min=1),
+    default=2048,
+    show_default=True,
+    envvar="AHAKV_MAX_TOKENS_LIMIT",
+    help="Most tokens one answer generates; a request's max_tokens of 0, null or more is cut to it.",
+)
+def serve(model, host, port, max_tokens_limit, **engine) -> None:
+    """An OpenAI-compatible server (completions, chat completions, streaming; /health, /v1/kv/stats)."""
+    from .server import create_app, run_server
 
     llm = load_llama(model, **engine)
-    app = create_app(llm, model_name=llm.model_path.rsplit("/", 1)[-1])
+    app = create_app(llm, model_name=llm.model_path.rsplit("/", 1)[-1], max_tokens_limit=max_tokens_limit)
     click.echo(f"serving {llm.model_path} on http://{host}:{port}/v1", err=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    run_server(app, host, port)
 
 
 from .cli_eval import bench_group, eval_group  # noqa: E402  (the subcommands need `main` defined first)

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from .errors import AhakvError
+from .extras import require
 
 LICENSES = Path("/usr/share/common-licenses")
 
@@ -69,6 +70,7 @@ def _cells(budgets: str, n_tokens: int, floor: int) -> list[int]:
 @click.group("eval")
 def eval_group() -> None:
     """Measure what a budget costs in quality on your own model and text."""
+    require("eval")
 
 
 @eval_group.command("ppl")
@@ -119,7 +121,7 @@ def eval_ppl(
         runs = [(p, p, dict(schedule)) for p in names] if c in cells else []
         runs += [(k, "ahakv", v | schedule) for k, v in ABLATIONS.items()] if c in ablated else []
         configs += [(f"{label}@{c}", p, c, kw) for label, p, kw in runs]
-    with _bar("eval ppl", len(ids)) as bar:
+    with _bar("eval ppl", len(ids) * (len(configs) + 1)) as bar:  # the full cache, then each alone
         results = evaluate(
             path,
             ids,
@@ -189,6 +191,7 @@ def eval_needle(model, filler_file, lengths, depths, budgets, policies, trials, 
 @click.group("bench")
 def bench_group() -> None:
     """Measure what a budget buys in speed and memory."""
+    require("eval")
 
 
 @bench_group.command("speed")

@@ -16,9 +16,7 @@ than budget + one chunk of cells.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -28,7 +26,6 @@ from .engine import Engine
 from .errors import AhakvError
 from .native import TapFlag
 from .policies import Observation, Policy
-from .policies.full import Full
 
 
 @dataclass(frozen=True)
@@ -43,21 +40,26 @@ class Budget:
 
     @classmethod
     def parse(cls, text: str | int | float, **kw) -> Budget:
-        """'128' -> 128 cells, '0.25' or '25%' -> a quarter of the tokens seen, 'auto' -> error-driven."""
+        """'128' -> 128 cells, '0.25' or '25%' -> a quarter of the tokens seen, 'auto' -> error-driven.
+        The one parser of budgets; anything else (0, 0%, 100%, inf, nan, 1.5, -3) is an AhakvError."""
         s = str(text).strip().lower()
         if s == "auto":
             return cls("auto", **kw)
-        if m := re.fullmatch(r"(\d+(?:\.\d+)?)%", s):
-            return cls("ratio", float(m.group(1)) / 100, **kw)
+        percent = s.endswith("%")
         try:
-            v = float(s)
+            v = float(s[:-1] if percent else s)
         except ValueError:
             raise AhakvError(f"budget must be a cell count, a ratio (0.25 or 25%) or 'auto', not {text!r}") from None
-        if v >= 1 and v == int(v):
+        if percent:
+            v /= 100
+            if not 0 < v < 1:
+                raise AhakvError(f"a budget in percent must be above 0% and below 100%, not {text!r}")
+            return cls("ratio", v, **kw)
+        if math.isfinite(v) and v >= 1 and v == int(v):
             return cls("cells", int(v), **kw)
         if 0 < v < 1:
             return cls("ratio", v, **kw)
-        raise AhakvError(f"budget must be a positive cell count or a ratio in (0, 1), not {text!r}")
+        raise AhakvError(f"budget must be a positive whole number of cells or a ratio in (0, 1), not {text!r}")
 
     def target(self, n_seen: int) -> int | None:
         if self.mode == "cells":
@@ -67,7 +69,7 @@ class Budget:
         return None  # auto: decided by the error model
 
     def __str__(self) -> str:
-        return {"cells": f"{int(self.value)} cells", "ratio": f"{self.value:.0%}"}.get(self.mode, "auto")
+        return {"cells": f"{int(self.value)} cells", "ratio": f"{100 * self.value:g}%"}.get(self.mode, "auto")
 
 
 def default_evict_every(budget: Budget, n_sink: int = 4, n_recent: int = 32) -> int:
@@ -97,6 +99,10 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if self.evict_every < 1 or (self.observe_steps is not None and self.observe_steps < 1):
             raise AhakvError("evict_every must be at least 1 and observe_steps at least 1 (or None: every step)")
+        if self.n_sink < 0 or self.n_recent < 0:
+            raise AhakvError(f"sinks and recent must be at least 0, not {self.n_sink} and {self.n_recent}")
+        if self.pinned is not None and not 0 <= self.pinned[0] <= self.pinned[1]:
+            raise AhakvError(f"a pinned span is [start, end) with 0 <= start <= end, not {self.pinned}")
 
 
 def parse_schedule(evict_every: int | None, observe_steps: int) -> tuple[int | None, int | None]:
@@ -126,14 +132,7 @@ class KVController:
 
     def __init__(self, engine: Engine, policy: Policy, config: ControllerConfig):
         self.engine, self.policy, self.config = engine, policy, config
-        b = config.budget
-        self.check_floor(b)
-        if b.mode == "auto" and not hasattr(policy, "predicted_error"):
-            raise AhakvError(f"an auto budget needs a policy with an error model (ahakv), not {policy.name}")
-        if not self.fits(b) and not isinstance(policy, Full):
-            raise AhakvError(
-                f"n_ctx {engine.n_ctx} cannot hold budget {int(b.value)} + one chunk of {engine.config.n_ubatch}"
-            )
+        self.check_budget(config.budget, policy)
         if engine.config.flash_attn and self._flags(0) & TapFlag.ATTN:
             raise AhakvError(f"policy {policy.name} reads the model's softmax: turn flash attention off")
         self.live = engine.live_positions().astype(np.int64)
@@ -142,7 +141,6 @@ class KVController:
         self._tap: tuple[TapFlag, int] | None = None
         self._obs: Observation | None = None
         self._pending = 0  # decode steps whose attention the tap has summed but nobody has read yet
-        self._cache_layers = {c: engine.layer_cache.index(c) for c in sorted(set(engine.layer_cache)) if c >= 0}
 
     # -- decoding ------------------------------------------------------------------------------------
 
@@ -178,13 +176,34 @@ class KVController:
             parts = f"{cfg.n_sink} + {cfg.n_recent} + {cfg.evict_every}"
             raise AhakvError(f"budget {int(budget.value)} is smaller than sinks + recent + {room} ({parts})")
 
+    def check_budget(self, budget: Budget, policy: Policy | None = None) -> None:
+        """Every check a budget must pass before it is used with ``policy`` (default: the current one):
+        the floor, the allocated cells, and an error model for 'auto'. Raises AhakvError; changes nothing."""
+        policy = policy or self.policy
+        self.check_floor(budget)
+        if budget.mode == "auto" and not policy.supports_auto_budget:
+            raise AhakvError(f"an auto budget needs a policy with an error model (ahakv), not {policy.name}")
+        if policy.evicts and not self.fits(budget):
+            raise AhakvError(
+                f"budget {int(budget.value)} does not fit the {self.engine.n_ctx} allocated cells with a prompt "
+                f"chunk of {self.engine.config.n_ubatch}"
+            )
+
+    def set_budget(self, budget: Budget) -> int:
+        """Check, apply and enforce a new budget now; returns how many positions were evicted."""
+        self.check_budget(budget)
+        self.config.budget = budget
+        return self.evict()
+
     def fits(self, budget: Budget) -> bool:
         """Whether the allocated cells hold this budget plus one prompt chunk (or the newest token)."""
         need = budget.value + self.engine.config.n_ubatch + 1
         return budget.mode != "cells" or self.engine.n_ctx >= need
 
     def set_policy(self, policy: Policy) -> None:
-        """Switch policies; the new one learns from the next decode on (its statistics are tapped then)."""
+        """Switch policies; the new one learns from the next decode on (its statistics are tapped then).
+        A policy the current budget cannot work with (an 'auto' budget without an error model) is refused."""
+        self.check_budget(self.config.budget, policy)
         self.policy = policy
         self._tap = None
         self._obs = None
@@ -207,12 +226,14 @@ class KVController:
         self.engine.n_past = n
         self.live = self.live[self.live < n]
         # from the start: a fresh policy (same settings), so a replay meets exactly the same decisions
-        self.policy = dataclasses.replace(self.policy) if n == 0 else self.policy
+        self.policy = self.policy.fresh() if n == 0 else self.policy
         self.policy.truncate(n)
         self._obs = None
         self._pending = 0  # the summed rows may include forgotten positions' queries: drop them
         self.stats.tokens_seen = n
         self.stats.cells_used = self.live.size
+        if n == 0:
+            self.stats.budget = None  # the last decision belonged to the forgotten sequence
 
     def first_gap(self) -> int | None:
         """The lowest evicted position below n_past, or None if the history is intact."""
@@ -224,7 +245,7 @@ class KVController:
 
     def _flags(self, step: int) -> TapFlag:
         flags = self.policy.tap_flags(step)
-        if self.config.track_mass and not isinstance(self.policy, Full):
+        if self.config.track_mass and self.policy.evicts:
             flags |= TapFlag.ATTN
         return flags
 
@@ -267,48 +288,23 @@ class KVController:
         self._pending = 0
 
     def _observe(self, flags: TapFlag) -> Observation:
-        """The tapped statistics of every layer, aligned with ``live``."""
+        """The tapped statistics of every layer, aligned with ``live`` (the engine maps cells to positions)."""
         e = self.engine
-        n, n_layer = self.live.size, e.n_layer
-        newest = e.n_past - 1
-        visible = np.zeros((n_layer, n), dtype=bool)
-        where = {}
-        for cache, layer in self._cache_layers.items():
-            positions, cells = e._live_cells(layer)
-            idx = np.searchsorted(self.live, positions)
-            seen = np.ones(positions.size, dtype=bool)
-            if cache == 1 and e.n_swa > 0:  # a sliding-window layer sees only the last n_swa positions
-                seen = newest - positions < e.n_swa
-            where[cache] = (idx[seen], cells[seen])
-        for il, cache in enumerate(e.layer_cache):
-            if cache >= 0:
-                visible[il, where[cache][0]] = True
-
-        def gather(kind: str, n_heads: int) -> np.ndarray:
-            out = np.zeros((n_layer, n_heads, n), dtype=np.float32)
-            for il, cache in enumerate(e.layer_cache):
-                if cache >= 0:
-                    idx, cells = where[cache]
-                    out[il][:, idx] = e.stat_by_cell(kind, il)[:, cells]
-            return out
-
+        if flags & TapFlag.VERR:
+            flags |= TapFlag.VNORM  # the error model divides by the value norms
+        stats = e.aligned(self.live, flags)
         target = self.config.budget.target(e.n_past)
-        obs = Observation(
+        return Observation(
             positions=self.live,
             n_seen=e.n_past,
             n_rows=e.stat_rows,
-            budget=target if target is not None else (self.stats.budget or n),
-            visible=visible,
+            budget=target if target is not None else (self.stats.budget or self.live.size),
+            visible=stats.visible,
+            attn=stats.values.get(TapFlag.ATTN),
+            side=stats.values.get(TapFlag.SIDE),
+            verr=stats.values.get(TapFlag.VERR),
+            vnorm=stats.values.get(TapFlag.VNORM),
         )
-        if flags & TapFlag.ATTN:
-            obs.attn = gather("attn", e.n_head)
-        if flags & TapFlag.SIDE:
-            obs.side = gather("side", e.n_head)
-        if flags & TapFlag.VERR:
-            obs.verr = gather("verr", e.n_head)
-        if flags & (TapFlag.VNORM | TapFlag.VERR):
-            obs.vnorm = gather("vnorm", e.n_head_kv)
-        return obs
 
     # -- eviction ------------------------------------------------------------------------------------
 
@@ -325,13 +321,15 @@ class KVController:
 
     def evict(self) -> int:
         """Evict down to the budget now; returns how many positions went."""
-        if isinstance(self.policy, Full) or self._tap is None:
+        if not self.policy.evicts or self._tap is None:
             return 0
         if self._obs is None or self._obs.positions is not self.live:
             # the live set changed since the last decode (an eviction, a new budget): re-read the
             # accumulated statistics for it; the policy has already observed them
             self._obs = self._observe(self._tap[0])
         obs, budget = self._obs, self.config.budget
+        if budget.mode == "auto" and (obs.verr is None or obs.vnorm is None):
+            return 0  # the error model decides at the next observed step (the budget just became auto)
         n = self.live.size
         candidates = np.flatnonzero(~self.protected())
         scores = self.policy.score(obs)[candidates]

@@ -11,6 +11,7 @@ Positions never move: an evicted token leaves a hole, and the next token always 
 from __future__ import annotations
 
 import ctypes
+import enum
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,7 +20,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import upstream
 from .errors import AhakvError
+from .info import check_architecture
 from .native import EvictError, TapFlag, lib
 
 SEQ = 0  # one sequence per engine
@@ -41,6 +44,31 @@ class EngineConfig:
     verbose: bool = False
 
 
+class LayerCache(enum.IntEnum):
+    """Which KV cache a layer reads (llama_ahakv_layer_cache)."""
+
+    NONE = -1  # no KV cache (e.g. a layer that reuses another's)
+    BASE = 0  # the full-attention cache: every live position
+    SLIDING = 1  # the sliding-window cache (Gemma 2/3, Cohere 2): the last n_swa positions
+
+
+# the statistic kinds the tap computes, by flag (names as in llama_ahakv_get_<kind>)
+STAT_KINDS: dict[TapFlag, str] = {
+    TapFlag.ATTN: "attn",
+    TapFlag.SIDE: "side",
+    TapFlag.VERR: "verr",
+    TapFlag.VNORM: "vnorm",
+}
+
+
+class Aligned(NamedTuple):
+    """Every layer's statistics aligned with one ascending list of positions (zeros where a layer's cache
+    does not hold, or its window does not see, a position)."""
+
+    visible: np.ndarray  # bool [n_layer, n]: layer l sees position j
+    values: dict[TapFlag, np.ndarray]  # flag -> float32 [n_layer, n_heads, n] (n_head_kv heads for VNORM)
+
+
 class LayerStat(NamedTuple):
     """A per-layer statistic aligned with the live positions of the cache that layer reads."""
 
@@ -55,12 +83,12 @@ class Engine:
         path = Path(model_path)
         if not path.is_file():
             raise AhakvError(f"model file not found: {path}")
+        check_architecture(path)  # one line for a model the tap or eviction cannot handle, before llama.cpp
         self.native = lib()  # refuses an unpatched engine before anything is loaded
 
         import llama_cpp
-        from llama_cpp import _internals, _logger
 
-        _logger.set_verbose(config.verbose)
+        upstream.set_verbose(config.verbose)
         self._llama_cpp = llama_cpp
         self.config = config
         self.path = path
@@ -68,7 +96,7 @@ class Engine:
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = config.n_gpu_layers
         try:
-            self._model = _internals.LlamaModel(path_model=str(path), params=mparams, verbose=config.verbose)
+            self._model = upstream.load_model(str(path), mparams, config.verbose)
         except ValueError as exc:
             raise AhakvError(f"cannot load {path}: not a GGUF model llama.cpp can read") from exc
 
@@ -89,11 +117,11 @@ class Engine:
             self._cb_eval = cb_eval  # keep the CFUNCTYPE alive as long as the context
             cparams.cb_eval = cb_eval
         try:
-            self._ctx = _internals.LlamaContext(model=self._model, params=cparams, verbose=config.verbose)
+            self._ctx = upstream.new_context(self._model, cparams, config.verbose)
         except ValueError as exc:
             self._model.close()
             raise AhakvError(f"cannot create a context for {path} (n_ctx={config.n_ctx})") from exc
-        self._batch = _internals.LlamaBatch(n_tokens=config.n_batch, embd=0, n_seq_max=1, verbose=config.verbose)
+        self._batch = upstream.new_batch(config.n_batch, config.verbose)
         self._owned = True
         self._describe()
 
@@ -115,7 +143,7 @@ class Engine:
             flash_attn=p.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
             verbose=llm.verbose,
         )
-        self._model, self._ctx, self._batch = llm._model, llm._ctx, llm._batch
+        self._model, self._ctx, self._batch = upstream.handles(llm)
         self._owned = False
         self._describe()
         return self
@@ -132,10 +160,10 @@ class Engine:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._model.vocab)
         self.n_ctx = llama_cpp.llama_n_ctx(self._ctx.ctx)
         self.head_dim = int(self.meta("attention.key_length") or self.n_embd // self.n_head)
-        self.layer_cache = [self.native.layer_cache(self.ctx, il) for il in range(self.n_layer)]
+        self.layer_cache = [LayerCache(self.native.layer_cache(self.ctx, il)) for il in range(self.n_layer)]
         # a layer of the base cache: it holds every live position (a sliding-window cache may drop
         # positions that fell out of its window)
-        self.base_layer = self.layer_cache.index(0) if 0 in self.layer_cache else 0
+        self.base_layer = self.layer_cache.index(LayerCache.BASE) if LayerCache.BASE in self.layer_cache else 0
         self.n_past = 0  # next position; every position below it was decoded (some may be evicted)
 
     # -- resources ---------------------------------------------------------------------------------
@@ -303,6 +331,36 @@ class Engine:
         """A statistic by position: the live positions of the layer's cache, ascending, and their values."""
         positions, cells = self._live_cells(layer)
         return LayerStat(positions, self.stat_by_cell(kind, layer)[:, cells])
+
+    def aligned(self, live: np.ndarray, flags: TapFlag) -> Aligned:
+        """The statistics of ``flags`` for every layer, aligned with ``live`` (ascending positions that
+        the caches hold): one cell-map read per cache, one native read per layer and kind."""
+        n = live.size
+        newest = self.n_past - 1
+        where: dict[LayerCache, tuple[np.ndarray, np.ndarray]] = {}  # cache -> (index into live, cell)
+        for il, cache in enumerate(self.layer_cache):
+            if cache is LayerCache.NONE or cache in where:
+                continue
+            positions, cells = self._live_cells(il)
+            seen = np.ones(positions.size, dtype=bool)
+            if cache is LayerCache.SLIDING and self.n_swa > 0:  # the window sees the last n_swa positions
+                seen = newest - positions < self.n_swa
+            where[cache] = (np.searchsorted(live, positions[seen]), cells[seen])
+        visible = np.zeros((self.n_layer, n), dtype=bool)
+        for il, cache in enumerate(self.layer_cache):
+            if cache is not LayerCache.NONE:
+                visible[il, where[cache][0]] = True
+        values = {}
+        for flag, kind in STAT_KINDS.items():
+            if not flags & flag:
+                continue
+            out = np.zeros((self.n_layer, self.n_head_kv if flag is TapFlag.VNORM else self.n_head, n), np.float32)
+            for il, cache in enumerate(self.layer_cache):
+                if cache is not LayerCache.NONE:
+                    idx, cells = where[cache]
+                    out[il][:, idx] = self.stat_by_cell(kind, il)[:, cells]
+            values[flag] = out
+        return Aligned(visible, values)
 
     def stats(self, kind: str) -> list[LayerStat]:
         """``stat`` for every layer, reading each cache's cell map once."""

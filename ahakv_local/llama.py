@@ -17,17 +17,70 @@ Without ``kv_budget`` it *is* llama_cpp.Llama (same code path, same errors). Wit
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import llama_cpp
 import numpy as np
 
+from . import upstream
 from .controller import Budget, ControllerConfig, ControllerStats, KVController, default_evict_every
 from .engine import Engine
 from .errors import AhakvError
+from .info import read_info
 from .policies import make_policy
+
+
+class _Closed:
+    """Stands in for the native model, context and batch after ``close()``: upstream would pass freed
+    pointers to llama.cpp and crash the process; this raises instead."""
+
+    def __getattr__(self, name: str):
+        raise ValueError("this Llama was closed: create a new one")
+
+    def __bool__(self) -> bool:
+        return False
+
+
+CLOSED = _Closed()
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_cells(model_path: str, cells: int, budget: Budget | None) -> None:
+    """Refuse a budget the model can never use, or cells the machine cannot hold, before llama.cpp allocates.
+    Without a budget this is llama_cpp.Llama, which loads architectures we do not evict from: unknown
+    ones are left to llama.cpp."""
+    try:
+        info = read_info(Path(model_path))
+    except AhakvError:
+        if budget is None:
+            return
+        raise
+    cells = cells or info.n_ctx_train  # n_ctx=0: llama.cpp allocates the trained context
+    if budget is not None and budget.mode == "cells" and info.n_ctx_train and budget.value > info.n_ctx_train:
+        raise AhakvError(
+            f"budget {int(budget.value)} cells exceeds the model's trained context of {info.n_ctx_train} positions, "
+            "so nothing would ever be evicted: use a smaller budget, or none for the full cache"
+        )
+    need, free = cells * info.kv_bytes_per_token(), available_memory()
+    if free is not None and need > free:
+        raise AhakvError(
+            f"{cells} KV cells need {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB of memory available"
+        )
 
 
 @dataclass
@@ -71,8 +124,10 @@ class Llama(llama_cpp.Llama):
         self._kv: KVController | None = None
         self._timing = {"prompt_tokens": 0, "prompt_s": 0.0, "gen_tokens": 0, "gen_s": 0.0}
         if kv_budget is None:
+            check_cells(model_path, n_ctx, None)
             super().__init__(model_path, n_ctx=n_ctx, n_batch=n_batch, **kwargs)
             self._kv_engine = Engine.attach(self)
+            upstream.set_position_bound(self, self._n_ctx)  # llama.cpp padded the context: hold all of it
             return
 
         budget = Budget.parse(kv_budget, min_ratio=kv_min_ratio, max_ratio=kv_max_ratio, error_tol=kv_error_tol)
@@ -84,6 +139,7 @@ class Llama(llama_cpp.Llama):
             kv_evict_every = default_evict_every(budget, kv_sinks, kv_recent)
         # cells: the budget plus one prompt chunk; ratio/auto: the caller's n_ctx bounds the cells
         cells = int(budget.value) + n_batch + 1 if budget.mode == "cells" else n_ctx
+        check_cells(model_path, cells, budget)
         super().__init__(model_path, n_ctx=cells, n_batch=n_batch, **kwargs)
 
         engine = Engine.attach(self)
@@ -93,15 +149,19 @@ class Llama(llama_cpp.Llama):
         )
         self._kv = KVController(engine, policy, config)
         self._kv_reuse_compressed = kv_reuse_compressed
-        # positions, not cells, bound a sequence now: re-size llama-cpp-python's per-position arrays
-        self._n_ctx = engine.n_ctx_train
-        self.input_ids = np.zeros(self._n_ctx, dtype=np.intc)
+        # positions, not cells, bound a sequence now: the trained context
+        upstream.set_position_bound(self, engine.n_ctx_train)
 
     # -- what changes with a budget ---------------------------------------------------------------
 
     @property
     def kv_controller(self) -> KVController | None:
         return self._kv
+
+    @property
+    def kv_engine(self) -> Engine:
+        """The engine view of this Llama's model and context (shapes, cell maps, statistics)."""
+        return self._kv_engine
 
     def n_ctx(self) -> int:
         """Without a budget: the context size. With one: the model's trained context, the bound on
@@ -156,13 +216,45 @@ class Llama(llama_cpp.Llama):
         n = self.n_tokens
         return n > 0 and (len(tokens) <= n or list(self._input_ids[:n]) != list(tokens[:n]))
 
+    def _create_completion(self, *args, **kwargs):
+        try:
+            yield from super()._create_completion(*args, **kwargs)
+        except ValueError as exc:
+            # upstream names llama_n_ctx (the allocated cells) as the limit; with a budget it is the
+            # trained context, which is what _n_ctx holds and checks
+            if self._kv is not None and str(exc).startswith("Requested tokens"):
+                n = str(exc).split("(", 1)[1].split(")", 1)[0]
+                raise ValueError(
+                    f"Requested tokens ({n}) exceed the model's trained context of {self._n_ctx} positions"
+                ) from None
+            raise
+
     def reset(self):
         super().reset()
         if self._kv is not None:
             self._kv.truncate(0)
 
     def load_state(self, state) -> None:
-        super().load_state(state)
+        """Restore a ``save_state()``; a state of another model or context size is refused before anything
+        changes (upstream would fail halfway, in numpy, with the cache half-replaced)."""
+        n_vocab = self.n_vocab()
+        scores = np.asarray(state.scores)
+        if scores.ndim != 2 or scores.shape[1] != n_vocab or scores.shape[0] > self.scores.shape[0]:
+            raise ValueError(
+                f"this state was saved from another model or context (logits {scores.shape}, "
+                f"this model has a vocabulary of {n_vocab} and {self.scores.shape[0]} rows)"
+            )
+        if not 0 <= state.n_tokens <= self._n_ctx or len(state.input_ids) < state.n_tokens:
+            raise ValueError(f"this state holds {state.n_tokens} tokens, more than this context's {self._n_ctx}")
+        ids = np.zeros(self._n_ctx, dtype=np.intc)
+        ids[: state.n_tokens] = np.asarray(state.input_ids[: state.n_tokens], dtype=np.intc)
+        if state.n_tokens and (ids[: state.n_tokens].min() < 0 or ids[: state.n_tokens].max() >= n_vocab):
+            raise ValueError("this state holds token ids outside this model's vocabulary")
+        upstream.restore_positions(self, ids, state.n_tokens, state.seed, scores)
+        buf = (ctypes.c_uint8 * state.llama_state_size).from_buffer_copy(state.llama_state)
+        if llama_cpp.llama_state_set_data(self._ctx.ctx, buf, state.llama_state_size) != state.llama_state_size:
+            self.reset()  # whatever llama.cpp restored is not a consistent cache
+            raise ValueError("llama.cpp refused this state (saved with another model or settings)")
         if self._kv is not None:
             self._kv_engine.n_past = self.n_tokens
             self._kv.resync()
@@ -174,6 +266,16 @@ class Llama(llama_cpp.Llama):
 
     def __exit__(self, *exc) -> None:
         self.close()  # frees the context and the model now, not at garbage collection
+
+    def close(self) -> None:
+        if not upstream.is_initialized(self):
+            return  # __init__ refused its arguments before upstream allocated anything
+        super().close()
+        # every later call goes through these: raise a ValueError rather than hand freed pointers to C
+        upstream.replace_handles(self, CLOSED)
+        engine = getattr(self, "_kv_engine", None)
+        if engine is not None:
+            engine._model = engine._ctx = engine._batch = CLOSED
 
     # -- statistics -------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass
 from functools import cache
 
+from . import upstream
 from .errors import EngineNotPatched
 
 # must equal LLAMA_AHAKV_ABI_VERSION of the patch series in patches/
@@ -74,11 +75,10 @@ class NativeLib:
 def lib() -> NativeLib:
     """Bind the API once; refuse an unpatched or mismatched engine with a message that says what to do."""
     try:
-        import llama_cpp.llama_cpp as llama_cpp_lib
+        cdll = upstream.cdll()
     except Exception as exc:  # ImportError, OSError (no library), AttributeError (a library without llama_*)
         raise EngineNotPatched(f"llama-cpp-python is not installed or does not load ({exc}); {BUILD_HINT}") from exc
-
-    cdll = llama_cpp_lib._lib
+    upstream.check_version()
     if not hasattr(cdll, "llama_ahakv_abi_version"):
         raise EngineNotPatched(f"the installed llama-cpp-python is not patched for ahakv-local; {BUILD_HINT}")
     for name, (argtypes, restype) in _SIGNATURES.items():

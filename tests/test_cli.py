@@ -12,14 +12,22 @@ import llama_cpp
 import pytest
 
 
-def ahakv(*args: str, env: dict | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ahakv_local", *args], capture_output=True, text=True, timeout=300, env=env, input=stdin
+def ahakv(*args: str, env: dict | None = None, stdin: str | bytes | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ahakv_local", *args],
+        capture_output=True,
+        timeout=300,
+        env=env,
+        input=stdin.encode() if isinstance(stdin, str) else stdin,
+    )
+    # decoded as the user's terminal would show it
+    return subprocess.CompletedProcess(
+        proc.args, proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
     )
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess, pattern: str) -> None:
-    assert proc.returncode == 1, proc.stderr
+def assert_one_line_error(proc: subprocess.CompletedProcess, pattern: str, code: int = 1) -> None:
+    assert proc.returncode == code, proc.stderr
     lines = [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith("llama_kv_cache_iswa")]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert re.match(pattern, lines[0]), lines[0]
@@ -130,3 +138,53 @@ def test_build_is_a_no_op_when_up_to_date():
 def test_help(command):
     proc = ahakv(command, "--help")
     assert proc.returncode == 0 and "Usage:" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (["--budget", "inf"], r"error: budget must be a positive whole number of cells or a ratio"),
+        (["--budget", "nan"], r"error: budget must be a positive whole number"),
+        (["--budget", "0%"], r"error: a budget in percent must be above 0% and below 100%"),
+        (["--budget", "150%"], r"error: a budget in percent must be above 0% and below 100%"),
+        (["--budget", "0"], r"error: budget must be a positive whole number"),
+    ],
+)
+def test_bad_budgets_are_refused_before_the_model_is_read(args, pattern, tmp_path):
+    # the model does not even exist: the budget is checked first, without waiting for a model to load
+    assert_one_line_error(ahakv("generate", str(tmp_path / "absent.gguf"), "-p", "x", *args), pattern)
+
+
+def test_bad_option_values_are_one_line(fixture_model):
+    env = {**os.environ, "AHAKV_SINKS": "-1"}
+    by_option = ahakv("generate", str(fixture_model), "-p", "x", "--sinks", "-1")
+    for proc in (by_option, ahakv("generate", "-p", "x", env=env)):
+        assert_one_line_error(proc, r"error: Invalid value for '--sinks': -1 is not in the range x>=0", code=2)
+    assert_one_line_error(
+        ahakv("generate", str(fixture_model), "-p", "x", "-n", "0"), r"error: -n/--n-predict must be at least 1"
+    )
+
+
+def test_budget_past_the_trained_context_is_refused_before_allocating(fixture_model):
+    assert_one_line_error(
+        ahakv("generate", str(fixture_model), "-p", "x", "--budget", "1e9"),
+        r"error: budget 1000000000 cells exceeds the model's trained context of 4096 positions",
+    )
+
+
+def test_text_that_is_not_utf8(fixture_model, tmp_path):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    assert_one_line_error(
+        ahakv("generate", str(fixture_model), "-f", str(latin1)), r"error: .*latin1\.txt is not UTF-8 text \(byte 3\)"
+    )
+    assert_one_line_error(
+        ahakv("generate", str(fixture_model), stdin=b"\xff\xfe bad"), r"error: standard input is not UTF-8 text"
+    )
+
+
+def test_a_prompt_past_the_trained_context(fixture_model):
+    assert_one_line_error(
+        ahakv("generate", str(fixture_model), "--budget", "64", stdin="a b " * 4000),
+        r"error: Requested tokens \(\d+\) exceed the model's trained context of 4096 positions",
+    )

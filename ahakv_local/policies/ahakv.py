@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..native import TapFlag
-from .base import Observation, Policy, RecentSum, holistic_sum, kv_to_query_heads
-from .snapkv import avg_pool
+from .base import Observation, Policy, RecentSum, avg_pool, holistic_sum, kv_to_query_heads
 
 
 @dataclass
@@ -39,6 +38,7 @@ class AhaKV(Policy):
     name = "ahakv"
     window = 32  # prefill: the last r rows of each chunk
     accumulates = True
+    supports_auto_budget = True
 
     r: int = 32  # recent accumulation window (queries)
     sg_softmax: bool = True  # (a) sharpen the scoring softmax by lambda(n)
@@ -108,7 +108,7 @@ class AhaKV(Policy):
 
     def _value_prior(self, obs: Observation) -> np.ndarray:
         nu = obs.vnorm.astype(np.float64) ** 2  # [L, H_kv, n]
-        pooled = np.apply_along_axis(avg_pool, 2, nu, self.vpe_kernel)
+        pooled = avg_pool(nu, self.vpe_kernel)
         gamma = pooled / np.maximum(pooled.max(axis=2, keepdims=True), 1e-12)
         return kv_to_query_heads(gamma, obs.attn.shape[1])
 
@@ -140,7 +140,7 @@ class AhaKV(Policy):
         return self.ring.get(obs.positions)
 
     def truncate(self, n: int) -> None:
-        super().truncate(n)
+        self.ring.truncate(n)
         if self._distance is not None:
             known, dist = self._distance
             self._distance = (known[known < n], dist[:, :, known < n]) if (known < n).any() else None

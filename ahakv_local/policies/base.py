@@ -13,6 +13,7 @@ layers alone instead of being dragged down by the sliding-window layers' zeros.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -58,6 +59,7 @@ class ByPosition:
 
     def __init__(self) -> None:
         self.data = np.zeros(1024)
+        self.end = 0  # one past the highest position ever written: truncate zeroes up to here only
 
     def _fit(self, max_pos: int) -> None:
         if max_pos >= self.data.size:
@@ -69,6 +71,7 @@ class ByPosition:
         if positions.size:
             self._fit(int(positions[-1]))
             self.data[positions] += values
+            self.end = max(self.end, int(positions[-1]) + 1)
 
     def get(self, positions: np.ndarray) -> np.ndarray:
         if positions.size:
@@ -76,8 +79,11 @@ class ByPosition:
         return self.data[positions]
 
     def truncate(self, n: int) -> None:
-        """Forget positions >= n (they will be decoded again, with other tokens)."""
-        self.data[n:] = 0.0
+        """Forget positions >= n (they will be decoded again, with other tokens). The drop-in calls this
+        on every decode: zeroing only what was written keeps it O(rewound), not O(array)."""
+        if n < self.end:
+            self.data[n : self.end] = 0.0
+            self.end = n
 
 
 class RecentSum:
@@ -110,18 +116,27 @@ class RecentSum:
 
 
 class Policy:
-    """Base class: one keep-score per live position.
+    """The contract between a policy and the controller; each policy is a small dataclass in its own module.
 
-    needs: the statistics to tap; window: query rows per prefill chunk to tap (0 = all; decode
-    steps are always one row); accumulates: the score is a sum over query rows, so the model's
-    softmax of several decode steps may be summed in the graph and observed at once (the controller
-    does so between its observation steps, see ControllerConfig.observe_steps).
+    What the controller asks of a policy:
+    - ``name``: its registry name; ``score(obs)``: one keep-score per live position (higher = keep);
+    - ``needs`` / ``tap_flags(step)``: the statistics to tap; ``window``: query rows per prefill chunk
+      to tap (0 = all; decode steps are always one row); ``side_scale``: the side pass's logit scale;
+    - ``accumulates``: the score is a sum over query rows, so the model's softmax of several decode
+      steps may be summed in the graph and observed at once (see ControllerConfig.observe_steps);
+    - ``evicts``: False for a policy that never evicts (the full cache);
+    - ``supports_auto_budget``: it has ``predicted_error`` (the error model behind the 'auto' budget);
+    - ``observe(obs)``: update running state after a decode call;
+    - ``fresh()``: a new policy with the same settings and no state (a sequence read from the start);
+      ``truncate(n)``: forget positions >= n (a rewind). A policy with state says how, explicitly.
     """
 
     name: ClassVar[str]
     needs: ClassVar[TapFlag] = TapFlag(0)
     window: ClassVar[int] = 1
     accumulates: ClassVar[bool] = False
+    evicts: ClassVar[bool] = True
+    supports_auto_budget: ClassVar[bool] = False
 
     def tap_flags(self, step: int) -> TapFlag:
         """The statistics for the decode call of this step (a policy may skip costly ones)."""
@@ -133,11 +148,27 @@ class Policy:
     def observe(self, obs: Observation) -> None:
         """Called after every decode call with its statistics (update running state)."""
 
-    def truncate(self, n: int) -> None:
-        """Forget what was learned about positions >= n: the sequence is rewound there."""
-        for value in vars(self).values():
-            if isinstance(value, (ByPosition, RecentSum)):
-                value.truncate(n)
-
     def score(self, obs: Observation) -> np.ndarray:
         raise NotImplementedError
+
+    def predicted_error(self, obs: Observation, order: np.ndarray) -> np.ndarray:
+        """Predicted relative output change of evicting order[:k], for every k (auto budget only)."""
+        raise NotImplementedError(f"{self.name} has no error model")
+
+    def fresh(self) -> Policy:
+        """The same policy and settings, without state."""
+        return dataclasses.replace(self)  # type: ignore[type-var]
+
+    def truncate(self, n: int) -> None:
+        """Forget what was learned about positions >= n: the sequence is rewound there. Stateless: nothing."""
+
+
+def avg_pool(x: np.ndarray, kernel: int) -> np.ndarray:
+    """1-D average pooling along the last axis, same length (edges average over what exists)."""
+    if kernel <= 1 or x.shape[-1] == 0:
+        return x
+    n, pad = x.shape[-1], kernel // 2
+    c = np.concatenate([np.zeros(x.shape[:-1] + (1,)), np.cumsum(x, axis=-1)], axis=-1)
+    lo = np.clip(np.arange(n) - pad, 0, n)
+    hi = np.clip(np.arange(n) + pad + 1, 0, n)
+    return (c[..., hi] - c[..., lo]) / (hi - lo)

@@ -25,6 +25,9 @@ class H2O(Policy):
     def observe(self, obs: Observation) -> None:
         self.acc.add(obs.positions, holistic_sum(obs.attn, obs.visible))
 
+    def truncate(self, n: int) -> None:
+        self.acc.truncate(n)
+
     def score(self, obs: Observation) -> np.ndarray:
         s = self.acc.get(obs.positions).copy()
         n_recent = int(self.recent_ratio * obs.budget)

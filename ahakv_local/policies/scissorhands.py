@@ -31,6 +31,10 @@ class Scissorhands(Policy):
         self.hits.push(obs.positions, holistic_sum(important, obs.visible))
         self.present.push(obs.positions, np.ones(obs.n))
 
+    def truncate(self, n: int) -> None:
+        self.hits.truncate(n)
+        self.present.truncate(n)
+
     def score(self, obs: Observation) -> np.ndarray:
         seen = self.present.get(obs.positions)
         return np.divide(self.hits.get(obs.positions), seen, out=np.ones(obs.n), where=seen > 0)

@@ -3,18 +3,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..native import TapFlag
-from .base import Observation, Policy, RecentSum, holistic_sum
-
-
-def avg_pool(x: np.ndarray, kernel: int) -> np.ndarray:
-    """1-D average pooling along positions, same length (edges average over what exists)."""
-    if kernel <= 1 or x.size == 0:
-        return x
-    pad = kernel // 2
-    c = np.concatenate([[0.0], np.cumsum(x)])
-    lo = np.clip(np.arange(x.size) - pad, 0, x.size)
-    hi = np.clip(np.arange(x.size) + pad + 1, 0, x.size)
-    return (c[hi] - c[lo]) / (hi - lo)
+from .base import Observation, Policy, RecentSum, avg_pool, holistic_sum
 
 
 @dataclass
@@ -37,6 +26,9 @@ class SnapKV(Policy):
 
     def observe(self, obs: Observation) -> None:
         self.recent.push(obs.positions, holistic_sum(obs.attn, obs.visible), obs.n_rows)
+
+    def truncate(self, n: int) -> None:
+        self.recent.truncate(n)
 
     def score(self, obs: Observation) -> np.ndarray:
         return avg_pool(self.recent.get(obs.positions), self.kernel)

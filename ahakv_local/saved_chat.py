@@ -1,0 +1,117 @@
+"""Saved chats: llama.cpp's own state bytes plus JSON metadata in one zip file, never pickle.
+
+A saved chat is data, not code: loading one parses JSON and hands llama.cpp a byte string, after
+checking that the file is what it claims to be and was saved from the same model, so a crafted or
+foreign file is refused with one line and the running conversation stays as it was.
+
+    chat.json   {"format", "version", "model": {...}, "system", "messages", "n_tokens", "input_ids", "seed"}
+    state.bin   llama_state_get_data() of the context (the compressed cache, positions included)
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import upstream
+from .errors import AhakvError
+
+FORMAT = "ahakv-local chat"
+VERSION = 1
+ROLES = {"system", "user", "assistant"}
+MAX_META_BYTES = 64 * 2**20  # a conversation's JSON; anything larger is not one of ours
+
+
+def model_identity(llm) -> dict[str, Any]:
+    """What a state depends on: the same weights' shapes and vocabulary (the file name may differ)."""
+    return {
+        "n_vocab": llm.n_vocab(),
+        "n_embd": llm.n_embd(),
+        "n_layer": llm.kv_engine.n_layer,
+        "n_ctx_train": llm.kv_engine.n_ctx_train,
+        "file_bytes": Path(llm.model_path).stat().st_size,
+    }
+
+
+def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None:
+    """Write the conversation and its cache; a half-written file never replaces a good one."""
+    state = llm.save_state()
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": model_identity(llm) | {"name": Path(llm.model_path).name},
+        "system": system,
+        "messages": messages,
+        "n_tokens": int(state.n_tokens),
+        "input_ids": [int(t) for t in state.input_ids[: state.n_tokens]],
+        "seed": int(state.seed),
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("chat.json", json.dumps(meta, ensure_ascii=False))
+        z.writestr("state.bin", state.llama_state)
+    tmp.replace(path)
+
+
+def load_chat(path: Path, llm) -> tuple[list[dict], str | None]:
+    """Check a saved chat and restore its cache into ``llm``; returns (messages, system prompt).
+    Every check runs before the cache is touched; AhakvError says what is wrong in one line."""
+    meta, blob = _read(path)
+    messages, system = _check(meta, llm, path)
+    state = upstream.make_state(
+        input_ids=np.asarray(meta["input_ids"], dtype=np.intc),
+        scores=np.zeros((0, llm.n_vocab()), dtype=np.single),  # logits are recomputed by the next decode
+        n_tokens=meta["n_tokens"],
+        llama_state=blob,
+        seed=meta["seed"],
+    )
+    try:
+        llm.load_state(state)
+    except ValueError as exc:
+        raise AhakvError(f"{path}: {exc}") from None
+    return messages, system
+
+
+def _read(path: Path) -> tuple[dict, bytes]:
+    try:
+        with zipfile.ZipFile(path) as z:
+            info = z.getinfo("chat.json")
+            if info.file_size > MAX_META_BYTES:
+                raise AhakvError(f"{path} is not a saved ahakv-local chat (its metadata is too large)")
+            meta = json.loads(z.read(info).decode("utf-8"))
+            blob = z.read("state.bin")
+    except FileNotFoundError:
+        raise AhakvError(f"no such file: {path}") from None
+    except IsADirectoryError:
+        raise AhakvError(f"{path} is a directory") from None
+    except (zipfile.BadZipFile, KeyError, UnicodeDecodeError, json.JSONDecodeError, OSError) as exc:
+        raise AhakvError(f"{path} is not a saved ahakv-local chat ({exc.__class__.__name__})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise AhakvError(f"{path} is not a saved ahakv-local chat")
+    if meta.get("version") != VERSION:
+        raise AhakvError(f"{path} was saved by another version of ahakv-local (format {meta.get('version')!r})")
+    return meta, blob
+
+
+def _check(meta: dict, llm, path: Path) -> tuple[list[dict], str | None]:
+    saved, here = meta.get("model"), model_identity(llm)
+    if not isinstance(saved, dict) or any(saved.get(k) != v for k, v in here.items()):
+        name = saved.get("name", "?") if isinstance(saved, dict) else "?"
+        raise AhakvError(f"{path} was saved with another model ({name}), not {Path(llm.model_path).name}")
+    messages, system = meta.get("messages"), meta.get("system")
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise AhakvError(f"{path} holds no valid conversation (messages of role and text)")
+    if system is not None and not isinstance(system, str):
+        raise AhakvError(f"{path} holds an invalid system prompt")
+    n, ids, seed = meta.get("n_tokens"), meta.get("input_ids"), meta.get("seed")
+    if not (isinstance(n, int) and isinstance(ids, list) and len(ids) == n and isinstance(seed, int)):
+        raise AhakvError(f"{path} holds an invalid token list")
+    if not all(isinstance(t, int) and 0 <= t < here["n_vocab"] for t in ids):
+        raise AhakvError(f"{path} holds token ids outside this model's vocabulary")
+    return [{"role": m["role"], "content": m["content"]} for m in messages], system

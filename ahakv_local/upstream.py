@@ -1,0 +1,150 @@
+"""The upstream boundary: every use of llama-cpp-python's private names goes through this module.
+
+ahakv-local builds on llama-cpp-python 0.3.36 (the sdist ``ahakv-local build`` patches). Its public
+API (``llama_cpp.Llama``, the ``llama_cpp.llama_*`` C bindings) is used directly; what is private
+(``_internals``, ``_lib``, the attributes of a ``Llama`` the drop-in reads and writes, the Jinja chat
+formatter) is named here only, checked against the pinned version, and listed in ``PRIVATE_NAMES`` so
+that a test fails on an upgrade that renames one, instead of a user meeting an AttributeError.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .errors import EngineNotPatched
+
+PINNED_VERSION = "0.3.36"
+
+# module -> private names used from it; "Llama." entries are attributes of an initialized instance
+PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
+    "llama_cpp._internals": ("LlamaModel", "LlamaContext", "LlamaBatch"),
+    "llama_cpp._logger": ("set_verbose",),
+    "llama_cpp.llama_cpp": ("_lib",),
+    "llama_cpp.llama": ("LlamaState",),
+    "llama_cpp.llama_chat_format": ("Jinja2ChatFormatter",),
+}
+LLAMA_ATTRIBUTES = (
+    "_model", "_ctx", "_batch", "_stack", "tokenizer_", "context_params",  # native handles and their owner
+    "input_ids", "scores", "n_tokens", "_n_ctx", "_requires_eval", "_seed",  # the per-position state
+    "_create_completion",  # the generator create_completion wraps (its error text is rewritten)
+)  # fmt: skip
+
+
+def check_version() -> None:
+    """Refuse another llama-cpp-python than the one the patches and these names were written for."""
+    import llama_cpp
+
+    if llama_cpp.__version__ != PINNED_VERSION:
+        raise EngineNotPatched(
+            f"llama-cpp-python {llama_cpp.__version__} is installed, ahakv-local needs {PINNED_VERSION}: "
+            "run `ahakv-local build`"
+        )
+
+
+def missing_names() -> list[str]:
+    """Private names this module relies on that the installed llama-cpp-python lacks (empty: all there)."""
+    missing = []
+    for module, names in PRIVATE_NAMES.items():
+        mod = importlib.import_module(module)
+        missing += [f"{module}.{n}" for n in names if not hasattr(mod, n)]
+    return missing
+
+
+def cdll():
+    """The loaded libllama, where the patch series' ``llama_ahakv_*`` functions live."""
+    import llama_cpp.llama_cpp
+
+    return llama_cpp.llama_cpp._lib
+
+
+def set_verbose(verbose: bool) -> None:
+    from llama_cpp import _logger
+
+    _logger.set_verbose(verbose)
+
+
+def load_model(path: str, params, verbose: bool):
+    """A ``LlamaModel`` owning the native model (ValueError if llama.cpp cannot load it)."""
+    from llama_cpp import _internals
+
+    return _internals.LlamaModel(path_model=path, params=params, verbose=verbose)
+
+
+def new_context(model, params, verbose: bool):
+    from llama_cpp import _internals
+
+    return _internals.LlamaContext(model=model, params=params, verbose=verbose)
+
+
+def new_batch(n_tokens: int, verbose: bool):
+    from llama_cpp import _internals
+
+    return _internals.LlamaBatch(n_tokens=n_tokens, embd=0, n_seq_max=1, verbose=verbose)
+
+
+def handles(llm) -> tuple[Any, Any, Any]:
+    """(model, context, batch) of a ``llama_cpp.Llama``, which keeps owning them."""
+    return llm._model, llm._ctx, llm._batch
+
+
+def replace_handles(llm, stand_in) -> None:
+    """After ``close()``: put ``stand_in`` where every later call would find a freed native pointer."""
+    llm._model = llm._ctx = llm._batch = llm.tokenizer_ = stand_in
+
+
+def is_initialized(llm) -> bool:
+    """Whether upstream's __init__ got as far as owning native resources (close() needs them)."""
+    return hasattr(llm, "_stack")
+
+
+def make_state(input_ids, scores, n_tokens: int, llama_state: bytes, seed: int):
+    from llama_cpp.llama import LlamaState
+
+    return LlamaState(
+        input_ids=input_ids,
+        scores=scores,
+        n_tokens=n_tokens,
+        llama_state=llama_state,
+        llama_state_size=len(llama_state),
+        seed=seed,
+    )
+
+
+def chat_prompt_tokens(llm, messages: list[dict]) -> list[int]:
+    """The tokens ``create_chat_completion`` decodes for ``messages`` with the GGUF's own chat template
+    (llama-cpp-python's Jinja formatter), or the plain concatenation where the model has none."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    template = llm.metadata.get("tokenizer.chat_template")
+    if not template:
+        return llm.tokenize("".join(m["content"] for m in messages).encode(), add_bos=True)
+    vocab = llm._model
+    bos = vocab.token_get_text(llm.token_bos())
+    eos = vocab.token_get_text(llm.token_eos())
+    result = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)(messages=messages)
+    return llm.tokenize(result.prompt.encode(), add_bos=not result.added_special, special=True)
+
+
+def set_position_bound(llm, n_positions: int) -> None:
+    """Make ``n_positions`` the bound llama-cpp-python checks prompts and completions against, and size its
+    per-position token array to it (upstream sizes it by the requested n_ctx, which llama.cpp pads)."""
+    import numpy as np
+
+    llm._n_ctx = n_positions
+    if llm.input_ids.size < n_positions:
+        grown = np.zeros(n_positions, dtype=np.intc)
+        grown[: llm.input_ids.size] = llm.input_ids
+        llm.input_ids = grown
+
+
+def restore_positions(llm, input_ids, n_tokens: int, seed: int, scores) -> None:
+    """Upstream's bookkeeping after a state load: the tokens the cache holds, the last rows of logits
+    that were saved (a saved chat keeps none: the next decode makes them), and the sampler's seed."""
+    rows = min(n_tokens, scores.shape[0])
+    if rows:
+        llm.scores[:rows] = scores[-rows:]
+    llm.input_ids = input_ids
+    llm.n_tokens = n_tokens
+    llm._requires_eval = True
+    llm._seed = seed

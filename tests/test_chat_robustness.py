@@ -1,0 +1,214 @@
+"""The chat as a hostile or unlucky user meets it: crafted and foreign save files, a message longer than
+the model's context, a closed terminal. Nothing may run, and no conversation may be lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import sys
+import zipfile
+
+import numpy as np
+import pexpect
+import pytest
+
+from ahakv_local import Llama
+from ahakv_local.chat import ChatSession, command
+from ahakv_local.errors import AhakvError
+from ahakv_local.fixture import FixtureSpec
+from ahakv_local.models import fixture_path
+
+
+def session(path, budget: int = 64, policy: str = "ahakv") -> ChatSession:
+    llm = Llama(str(path), kv_budget=budget, kv_policy=policy, kv_recent=8, n_batch=32, verbose=False)
+    return ChatSession(llm, "You are terse.", max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture
+def chat(fixture_model):
+    s = session(fixture_model)
+    yield s
+    s.llm.close()
+
+
+def talk(s: ChatSession, text: str) -> str:
+    class Sink:
+        def write(self, _: str) -> None: ...
+        def flush(self) -> None: ...
+
+    return s.answer(text, Sink())
+
+
+class RunsAShellCommand:
+    """What a crafted pickle does on load (the defect: /load unpickled whatever it was given)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_pickle_runs_nothing(chat, tmp_path):
+    talk(chat, "hello there")
+    before = list(chat.messages)
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.chat"
+    evil.write_bytes(pickle.dumps({"messages": [], "state": RunsAShellCommand(str(marker))}))
+    with pytest.raises(AhakvError, match="not a saved ahakv-local chat"):
+        command(chat, "/load", str(evil))
+    assert not marker.exists()
+    assert chat.messages == before  # the running conversation is untouched
+
+
+def test_save_is_state_bytes_and_json_and_load_continues_identically(fixture_model, tmp_path):
+    # streaming decides by position alone; a policy with statistics starts them over after a load
+    # (the controller's resync), so its later evictions, and answers, may differ from the original's
+    chat = session(fixture_model, policy="streaming")
+    talk(chat, "the cat sat on the mat and then")
+    talk(chat, "tell me more about the cat")  # past the 64-cell budget: the cache has holes
+    assert chat.llm.kv_stats().evicted > 0
+    saved = tmp_path / "conv.chat"
+    command(chat, "/save", str(saved))
+    with zipfile.ZipFile(saved) as z:
+        assert sorted(z.namelist()) == ["chat.json", "state.bin"]
+        meta = json.loads(z.read("chat.json"))
+    assert meta["messages"] == chat.messages and meta["n_tokens"] == chat.llm.n_tokens
+    live = chat.llm.kv_controller.live.copy()
+    expected = talk(chat, "and the dog?")  # the reference: the original session goes on
+
+    chat.llm.close()
+    other = session(fixture_model, policy="streaming")
+    try:
+        command(other, "/load", str(saved))
+        assert other.messages == meta["messages"]
+        np.testing.assert_array_equal(other.llm.kv_controller.live, live)
+        np.testing.assert_array_equal(other.llm.kv_controller.engine.live_positions(), live)
+        assert talk(other, "and the dog?") == expected  # same compressed cache, same greedy answer
+    finally:
+        other.llm.close()
+
+
+def test_foreign_and_damaged_files_change_nothing(chat, tmp_path):
+    talk(chat, "hello")
+    saved = tmp_path / "conv.chat"
+    command(chat, "/save", str(saved))
+    before = list(chat.messages)
+
+    # another model: a fixture with another embedding size
+    other = session(fixture_path(FixtureSpec(n_embd=96, n_head=4, n_head_kv=2)))
+    try:
+        with pytest.raises(AhakvError, match="another model"):
+            command(other, "/load", str(saved))
+    finally:
+        other.llm.close()
+
+    def tampered(name: str, edit) -> str:
+        with zipfile.ZipFile(saved) as z:
+            meta, blob = json.loads(z.read("chat.json")), z.read("state.bin")
+        meta, blob = edit(meta, blob)
+        path = tmp_path / name
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("chat.json", json.dumps(meta))
+            z.writestr("state.bin", blob)
+        return str(path)
+
+    cases = {
+        "token ids outside": lambda m, b: ({**m, "input_ids": [10**6] * m["n_tokens"]}, b),
+        "no valid conversation": lambda m, b: ({**m, "messages": [{"role": "x", "content": 1}]}, b),
+        "another version": lambda m, b: ({**m, "version": 99}, b),
+        "llama.cpp refused": lambda m, b: (m, b[: len(b) // 2]),
+    }
+    for message, edit in cases.items():
+        with pytest.raises(AhakvError, match=message):
+            command(chat, "/load", tampered(message.replace(" ", "_"), edit))
+        assert chat.messages == before
+    garbage = tmp_path / "garbage.chat"
+    garbage.write_bytes(os.urandom(300))
+    with pytest.raises(AhakvError, match="not a saved ahakv-local chat"):
+        command(chat, "/load", str(garbage))
+    with pytest.raises(AhakvError, match="is a directory"):
+        command(chat, "/load", str(tmp_path))
+    assert chat.messages == before
+    assert talk(chat, "still there?") is not None  # the session still answers
+
+
+def test_a_message_longer_than_the_context_is_taken_back(chat):
+    talk(chat, "hello")
+    before = list(chat.messages)
+    huge = "a b c d " * 3000  # 12K tokens > the fixture's trained context of 4,096 positions
+    with pytest.raises(ValueError, match="trained context of 4096"):
+        talk(chat, huge)
+    assert chat.messages == before
+    talk(chat, "a normal message")  # the next turn works without /reset
+    assert chat.messages[-2]["content"] == "a normal message"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_closed_terminal_keeps_the_transcript(tmp_path, sig):
+    env = {**os.environ, "HOME": str(tmp_path), "AHAKV_CACHE_DIR": str(tmp_path / "cache")}
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "ahakv_local", "chat", "fixture", "--budget", "64", "--recent", "8", "-n", "8", "--temp", "0"],
+        encoding="utf-8",
+        timeout=120,
+        env=env,
+    )
+    try:
+        child.expect("> ")
+        child.sendline("remember the word lighthouse")
+        child.expect(r"\] [\d.]+ s")  # the stats line after the answer
+        child.expect("> ")
+        child.kill(sig)
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    transcripts = list((tmp_path / "cache" / "chats").glob("chat-*.json"))
+    assert len(transcripts) == 1
+    messages = json.loads(transcripts[0].read_text())
+    assert any(m["content"] == "remember the word lighthouse" for m in messages)
+
+
+def test_chat_commands_fuzzed(fixture_model, tmp_path_factory):
+    """Any command line a user can type: a reply or one AhakvError, never another exception, and the
+    conversation untouched by every command but /reset and /load (hypothesis, derandomized, bounded)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    folder = tmp_path_factory.mktemp("fuzz")
+    s = session(fixture_model)
+    talk(s, "hello")
+    command(s, "/save", str(folder / "good.chat"))
+    names = st.sampled_from(["/help", "/reset", "/stats", "/policy", "/budget", "/save", "/load", "/exit?", "/x"])
+    words = st.one_of(
+        st.text(max_size=30),
+        st.sampled_from(["auto", "0", "-1", "1e9", "inf", "nan", "25%", "0%", "200%", "0.5", "64", "4000", "h2o"]),
+    )
+    tried = {"ok": 0, "refused": 0}
+
+    @settings(max_examples=150, derandomize=True, database=None, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+    @given(name=names, arg=words)
+    def one(name: str, arg: str) -> None:
+        if name in ("/save", "/load"):  # files only inside the test's folder
+            arg = str(folder / ("good.chat" if not arg.strip() or "/" in arg or "\x00" in arg else arg))
+        before = list(s.messages)
+        try:
+            assert isinstance(command(s, name, arg.strip()), str)
+            tried["ok"] += 1
+        except AhakvError:
+            tried["refused"] += 1
+            assert s.messages == before
+        if name not in ("/reset", "/load"):
+            assert s.messages == before
+        if name == "/reset":
+            command(s, "/load", str(folder / "good.chat"))  # back to a conversation for the next example
+
+    try:
+        one()
+        assert talk(s, "still there?") is not None
+    finally:
+        s.llm.close()
+    assert tried["ok"] > 0 and tried["refused"] > 0, tried

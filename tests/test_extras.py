@@ -1,0 +1,40 @@
+"""Optional parts are extras: a command whose extra is missing says which pip command installs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ahakv_local.errors import AhakvError
+from ahakv_local.extras import EXTRAS, require
+
+
+def test_installed_extras_pass():
+    for extra in EXTRAS:  # `make` installs every extra
+        require(extra)
+
+
+@pytest.mark.parametrize("extra", sorted(EXTRAS))
+def test_a_missing_extra_is_one_line(extra, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m: None if m == EXTRAS[extra][0] else real(m))
+    with pytest.raises(AhakvError, match=rf"pip install 'ahakv-local\[{extra}\]'"):
+        require(extra)
+
+
+def test_eval_without_its_extra_is_one_line_from_the_cli():
+    # hide tqdm and matplotlib from a real process: they fail to import
+    code = (
+        "import sys; sys.modules['tqdm'] = None; sys.modules['matplotlib'] = None; "
+        "import importlib.util as u; f = u.find_spec; "
+        "u.find_spec = lambda m: None if m in ('tqdm', 'matplotlib') else f(m); "
+        "from ahakv_local.cli import main; main(['eval', 'ppl', '--tokens', '10'])"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "error: this needs the 'eval' extra (tqdm, matplotlib not installed): pip install 'ahakv-local[eval]'"
+    ], proc.stderr
