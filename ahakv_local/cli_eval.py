@@ -54,16 +54,17 @@ def _policies(policies: str) -> list[str]:
 
 
 def _cells(budgets: str, n_tokens: int, floor: int) -> list[int]:
-    """'256,512' -> cells; '0.125' or '12.5%' -> that fraction of the text (0.125 = 8x compression)."""
+    """'256,512' -> cells; '0.125' or '12.5%' -> that fraction of the text (0.125 = 8x compression), at least
+    ``floor``. Parsed by Budget.parse, the one grammar of budgets."""
+    from .controller import Budget
+
     cells = []
-    for b in budgets.split(","):
-        try:
-            value = float(b.rstrip("%")) / (100 if b.endswith("%") else 1)
-        except ValueError:
-            raise AhakvError(f"budgets must be cells or fractions of the text, not {b!r}") from None
-        if value <= 0:
-            raise AhakvError(f"budgets must be positive, not {b!r}")
-        cells.append(int(value) if value >= 1 else max(floor, round(value * n_tokens)))
+    for text in budgets.split(","):
+        budget = Budget.parse(text)
+        if budget.mode == "auto":
+            raise AhakvError("evaluation budgets are cells or fractions of the text, not 'auto'")
+        target = budget.target(n_tokens)
+        cells.append(target if budget.mode == "cells" else max(floor, target))
     return cells
 
 

@@ -189,3 +189,13 @@ def test_eval_ppl_command_writes_every_output(fixture_model, tmp_path):
     assert (out / "results.csv").read_text().count("\n") == 6
     assert "| ahakv | 80 cells |" in (out / "results.md").read_text()
     assert (out / "ppl_vs_budget.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_evaluation_budgets_use_the_one_budget_grammar():
+    from ahakv_local.cli_eval import _cells
+    from ahakv_local.errors import AhakvError
+
+    assert _cells("256,0.125,12.5%,0.001", 4096, 37) == [256, 512, 512, 37]  # a fraction, at least the floor
+    for bad in ("auto", "0", "1.5", "inf", "150%", "x"):
+        with pytest.raises(AhakvError):
+            _cells(bad, 4096, 37)
