@@ -12,6 +12,7 @@ import click
 
 from . import __version__
 from .errors import AhakvError
+from .extras import require
 
 
 class Group(click.Group):
@@ -78,9 +79,7 @@ def engine_options(f):
             envvar="AHAKV_BUDGET",
             help="KV budget: cells (512), a ratio of the tokens seen (0.25 or 25%), or auto.",
         ),
-        click.option(
-            "--policy", cls=PolicyOption, default="ahakv", show_default=True, envvar="AHAKV_POLICY"
-        ),
+        click.option("--policy", cls=PolicyOption, default="ahakv", show_default=True, envvar="AHAKV_POLICY"),
         click.option(
             "--sinks", type=Count, default=4, show_default=True, envvar="AHAKV_SINKS", help="Protected first tokens."
         ),
@@ -132,8 +131,6 @@ def engine_options(f):
     return f
 
 
-
-
 class PolicyOption(click.Option):
     """--policy, whose help lists the registry's names; read only when help is shown (importing the
     policies pulls numpy, which a command like `info` does not need)."""
@@ -143,6 +140,7 @@ class PolicyOption(click.Option):
 
         self.help = "Eviction policy: " + ", ".join(POLICIES) + "."
         return super().get_help_record(ctx)
+
 
 Count = click.IntRange(min=0)  # click reports a value outside the range in one line, with the option's name
 Positive = click.IntRange(min=1)
@@ -291,7 +289,7 @@ def info(model, budget, ctx_size) -> None:
 @click.option("--port", default=8000, show_default=True, envvar="AHAKV_PORT")
 @click.option(
     "--max-tokens-limit",
-    type=click.IntRange(min=1),
+    type=Positive,
     default=2048,
     show_default=True,
     envvar="AHAKV_MAX_TOKENS_LIMIT",
@@ -299,6 +297,7 @@ def info(model, budget, ctx_size) -> None:
 )
 def serve(model, host, port, max_tokens_limit, **engine) -> None:
     """An OpenAI-compatible server (completions, chat completions, streaming; /health, /v1/kv/stats)."""
+    require("serve")
     from .server import create_app, run_server
 
     llm = load_llama(model, **engine)

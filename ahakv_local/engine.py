@@ -181,6 +181,10 @@ class Engine:
                 obj.close()
                 setattr(self, owner, None)
 
+    def detach(self, stand_in) -> None:
+        """An attached engine whose owner freed the model and context: ``stand_in`` answers every later call."""
+        self._model = self._ctx = self._batch = stand_in
+
     def __enter__(self) -> Engine:
         return self
 

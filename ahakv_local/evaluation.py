@@ -54,10 +54,6 @@ def _log_softmax32(logits: np.ndarray) -> np.ndarray:
     return logits
 
 
-def token_nll(logits: np.ndarray, target: int) -> float:
-    return float(-log_softmax(logits)[target])
-
-
 class LogProbStore:
     """Rows of log-probabilities in a temporary file, one record per scored token, as llama.cpp's
     ``perplexity --kl-divergence-base`` stores them: the row's minimum and step (float32), its argmax,

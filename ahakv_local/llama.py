@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,6 +32,11 @@ from .engine import Engine
 from .errors import AhakvError
 from .info import read_info
 from .policies import make_policy
+
+
+class Stopped(Exception):
+    """Raised by ``eval`` when ``Llama.should_stop()`` says so: the generation (or the prompt being read)
+    ends before the next decode call, with the cache consistent up to the last one."""
 
 
 class _Closed:
@@ -122,6 +127,9 @@ class Llama(llama_cpp.Llama):
         **kwargs,
     ):
         self._kv: KVController | None = None
+        # checked before every decode call (each prompt chunk, each token): a server stops a generation whose
+        # client left, or the process's, without reaching into llama-cpp-python's generation loop
+        self.should_stop: Callable[[], bool] = lambda: False
         self._timing = {"prompt_tokens": 0, "prompt_s": 0.0, "gen_tokens": 0, "gen_s": 0.0}
         if kv_budget is None:
             check_cells(model_path, n_ctx, None)
@@ -176,6 +184,8 @@ class Llama(llama_cpp.Llama):
         super().set_cache(cache)
 
     def eval(self, tokens: Sequence[int]):
+        if self.should_stop():
+            raise Stopped
         if self._kv is None:
             t0 = time.perf_counter()
             super().eval(tokens)
@@ -190,6 +200,8 @@ class Llama(llama_cpp.Llama):
         kv.truncate(self.n_tokens)  # positions >= n_tokens are being replaced
         tokens = list(tokens)
         for i in range(0, len(tokens), self.n_batch):
+            if i and self.should_stop():  # between prompt chunks too: a long prompt need not be read to the end
+                raise Stopped
             chunk = tokens[i : i + self.n_batch]
             t0 = time.perf_counter()
             if len(chunk) == 1:
@@ -275,7 +287,7 @@ class Llama(llama_cpp.Llama):
         upstream.replace_handles(self, CLOSED)
         engine = getattr(self, "_kv_engine", None)
         if engine is not None:
-            engine._model = engine._ctx = engine._batch = CLOSED
+            engine.detach(CLOSED)
 
     # -- statistics -------------------------------------------------------------------------------
 

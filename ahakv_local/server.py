@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 
 from .controller import Budget
 from .errors import AhakvError
-from .llama import Llama
+from .llama import Llama, Stopped
 from .policies import make_policy
 
 log = logging.getLogger("ahakv_local.server")
@@ -88,10 +88,6 @@ def error_body(status: int, message: str) -> dict:
 def error(status: int, message: str) -> Response:
     # json.dumps escapes to ASCII: a message may quote a lone surrogate from the request, which UTF-8 cannot encode
     return Response(json.dumps(error_body(status, message)), status, media_type="application/json")
-
-
-class Cancelled(Exception):
-    """The client left or the server is stopping: the generation ends at the next token."""
 
 
 class Job:
@@ -170,16 +166,9 @@ class Runner:
         self.current: Job | None = None
         self.since = 0.0  # when the current job took the lock
         self.stats = llm.kv_stats().as_dict()  # figures at the end of the last job
-        # llama-cpp-python's create_chat_completion takes no stopping_criteria, but every token either call
-        # generates goes through eval: the one place to stop both, streamed or not, at the next token
-        evaluate = llm.eval
-
-        def eval_unless_stopped(tokens):
-            if self.current is not None and self.current.stopped():
-                raise Cancelled
-            return evaluate(tokens)
-
-        llm.eval = eval_unless_stopped
+        # the client left or the server is stopping: the drop-in stops before its next decode call (the next
+        # token, or the next prompt chunk), streamed or not
+        llm.should_stop = lambda: self.current is not None and self.current.stopped()
 
     async def submit(self, request: Request, req: KVFields, call) -> Response:
         """Run ``call(stream=..., **sampling)`` as a Job; answer JSON, an error, or a stream."""
@@ -251,7 +240,7 @@ class Runner:
                     for chunk in out:
                         job.post("chunk", chunk)
                 job.post("done")
-        except Cancelled:  # the server is stopping (or the client left, and nobody reads this)
+        except Stopped:  # the server is stopping (or the client left, and nobody reads this)
             job.post("error", (503, "the server is shutting down"))
         except (AhakvError, ValueError) as exc:  # the request's mistake, found here or by llama-cpp-python
             job.post("error", (400, str(exc)))

@@ -26,15 +26,17 @@ def test_a_missing_extra_is_one_line(extra, monkeypatch):
         require(extra)
 
 
-def test_eval_without_its_extra_is_one_line_from_the_cli():
-    # hide tqdm and matplotlib from a real process: they fail to import
+@pytest.mark.parametrize(("extra", "args"), [("eval", "['eval', 'ppl', '--tokens', '10']"), ("serve", "['serve']")])
+def test_a_command_without_its_extra_is_one_line_from_the_cli(extra, args):
+    # hide the extra's modules from a real process: they fail to import
+    hidden = EXTRAS[extra]
     code = (
-        "import sys; sys.modules['tqdm'] = None; sys.modules['matplotlib'] = None; "
+        f"import sys; sys.modules.update(dict.fromkeys({hidden!r})); "
         "import importlib.util as u; f = u.find_spec; "
-        "u.find_spec = lambda m: None if m in ('tqdm', 'matplotlib') else f(m); "
-        "from ahakv_local.cli import main; main(['eval', 'ppl', '--tokens', '10'])"
+        f"u.find_spec = lambda m: None if m in {hidden!r} else f(m); "
+        f"from ahakv_local.cli import main; main({args})"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
-        "error: this needs the 'eval' extra (tqdm, matplotlib not installed): pip install 'ahakv-local[eval]'"
+        f"error: this needs the {extra!r} extra ({', '.join(hidden)} not installed): pip install 'ahakv-local[{extra}]'"
     ], proc.stderr

@@ -183,3 +183,21 @@ def test_kv_stats_and_save_load(gemma_model):
         np.testing.assert_array_equal(after.positions, before.positions)
         # recomputed from the same F16 values by the same F32 norm: equal within one norm's rounding
         np.testing.assert_allclose(after.values, before.values, rtol=norm_rtol(engine.head_dim))
+
+
+def test_should_stop_ends_a_prompt_between_chunks(fixture_model):
+    """The stop hook (what serve uses for a client that left or a SIGTERM) is checked before every decode
+    call, prompt chunks included; the cache stays consistent up to the last chunk decoded."""
+    from ahakv_local.llama import Stopped
+
+    with Llama(str(fixture_model), kv_budget=64, n_batch=32, verbose=False) as llm:
+        calls = []
+        llm.should_stop = lambda: calls.append(llm.n_tokens) is None and llm.n_tokens >= 64
+        tokens = llm.tokenize(b"a b c d " * 40)
+        with pytest.raises(Stopped):
+            llm.eval(tokens)
+        assert llm.n_tokens == 64 and calls == [0, 32, 64]  # two chunks read, the third refused
+        np.testing.assert_array_equal(llm.kv_controller.engine.live_positions(), llm.kv_controller.live)
+        assert llm.kv_controller.live.max() == 63
+        llm.should_stop = lambda: False
+        assert llm("a b", max_tokens=2)["choices"]  # the same Llama answers the next request
