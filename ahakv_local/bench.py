@@ -23,7 +23,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from .controller import Budget, default_evict_every
+from .budget import Budget, default_evict_every
 from .engine import Engine
 from .llama import Llama
 
@@ -79,7 +79,7 @@ def _plan(tokens: list[int], budget: int, evict_every: int | None, decode_tokens
     if len(tokens) < 2 * budget + decode_tokens:
         need = 2 * budget + decode_tokens
         raise ValueError(f"need {need} tokens of text for budget {budget}, have {len(tokens)}")
-    evict_every = evict_every or default_evict_every(Budget("cells", budget))
+    evict_every = evict_every or default_evict_every(Budget.parse(budget))
     return evict_every, max(1, round(budget - (evict_every - 1) / 2 - decode_tokens / 2))
 
 
@@ -150,9 +150,8 @@ def engine_speed_at_budget(
     the tap off against ``KVController.step``, no sampling, no llama-cpp-python bookkeeping. The
     per-token overhead of ``generate`` (~19 ms on a 262K vocabulary) dilutes the policy's cost there;
     this is the ratio without it."""
-    from .controller import ControllerConfig, KVController
     from .engine import EngineConfig
-    from .policies import make_policy
+    from .session import SessionSpec
 
     evict_every, plain_prompt = _plan(tokens, budget, evict_every, decode_tokens)
     cfg = EngineConfig(n_ctx=budget + evict_every + decode_tokens + batch, n_batch=batch, n_ubatch=batch)
@@ -173,8 +172,8 @@ def engine_speed_at_budget(
     def policy_run(name: str) -> tuple[float, float, float]:
         e = engines[name]
         e.truncate(0)
-        config = ControllerConfig(Budget("cells", budget), evict_every=evict_every, observe_steps=observe_steps)
-        ctl = KVController(e, make_policy(name), config)
+        spec = SessionSpec.bounded(name, budget, evict_every=evict_every, observe_steps=observe_steps)
+        ctl = spec.controller(e)
         t0 = time.perf_counter()
         ctl.prefill(tokens[: 2 * budget])
         t1 = time.perf_counter()

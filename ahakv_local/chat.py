@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from . import upstream
-from .controller import Budget
+from .budget import Budget
 from .errors import AhakvError
 from .llama import Llama
 from .paths import cache_dir

@@ -158,7 +158,7 @@ def load_llama(
     batch_size, **extra,
 ):  # fmt: skip
     """Resolve, check and load a model as an ahakv_local.Llama; every user mistake is an AhakvError."""
-    from .controller import Budget, parse_schedule
+    from .budget import Budget, parse_schedule
     from .info import read_info
     from .models import resolve_model
     from .policies import make_policy

@@ -56,7 +56,7 @@ def _policies(policies: str) -> list[str]:
 def _cells(budgets: str, n_tokens: int, floor: int) -> list[int]:
     """'256,512' -> cells; '0.125' or '12.5%' -> that fraction of the text (0.125 = 8x compression), at least
     ``floor``. Parsed by Budget.parse, the one grammar of budgets."""
-    from .controller import Budget
+    from .budget import Budget
 
     cells = []
     for text in budgets.split(","):
@@ -109,27 +109,26 @@ def eval_ppl(
         raise AhakvError(f"{text_file} has only {len(ids)} tokens; need more than --prefix {prefix}")
     if not 1 <= step <= 64:
         raise AhakvError("--step must be between 1 and 64 (one prompt chunk)")
-    names = _policies(policies)
-    from .controller import parse_schedule
+    from .budget import parse_schedule
+    from .session import SessionSpec
 
+    names = _policies(policies)
     evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
-    schedule = {"observe_steps": observe_steps} | ({"evict_every": evict_every} if evict_every else {})
+    schedule = dict(n_sink=sinks, n_recent=recent, evict_every=evict_every, observe_steps=observe_steps)
     floor = sinks + recent + 1
     cells = _cells(budgets, len(ids), floor)
     ablated = cells if ablations else _cells(ablations_at, len(ids), floor) if ablations_at else []
-    configs = []
+    configs = []  # named specs: every policy at every budget, then AhaKV without each component
     for c in dict.fromkeys(cells + ablated):
-        runs = [(p, p, dict(schedule)) for p in names] if c in cells else []
-        runs += [(k, "ahakv", v | schedule) for k, v in ABLATIONS.items()] if c in ablated else []
-        configs += [(f"{label}@{c}", p, c, kw) for label, p, kw in runs]
+        runs = [(p, p, {}) for p in names] if c in cells else []
+        runs += [(k, "ahakv", v) for k, v in ABLATIONS.items()] if c in ablated else []
+        configs += [SessionSpec.bounded(p, c, label=f"{label}@{c}", params=kw, **schedule) for label, p, kw in runs]
     with _bar("eval ppl", len(ids) * (len(configs) + 1)) as bar:  # the full cache, then each alone
         results = evaluate(
             path,
             ids,
             configs,
             prefix=prefix,
-            n_sink=sinks,
-            n_recent=recent,
             step=step,
             progress=lambda done, total: bar.update(done - bar.n),
         )
@@ -167,7 +166,10 @@ def eval_needle(model, filler_file, lengths, depths, budgets, policies, trials, 
     cells = _cells(budgets, max(lens), floor)
     if min(cells) < floor:
         raise AhakvError(f"a budget is smaller than sinks + recent + newest ({floor})")
-    configs = [("full", None)] + [(p, c) for c in cells for p in _policies(policies)]
+    from .session import SessionSpec
+
+    schedule = dict(n_sink=sinks, n_recent=recent)
+    configs = [SessionSpec()] + [SessionSpec.bounded(p, c, **schedule) for c in cells for p in _policies(policies)]
     with _bar("eval needle", len(configs) * len(lens) * len(deps) * trials) as bar:
         bar.unit = "trial"
         try:
@@ -179,8 +181,6 @@ def eval_needle(model, filler_file, lengths, depths, budgets, policies, trials, 
                 configs,
                 trials=trials,
                 seed=seed,
-                n_sink=sinks,
-                n_recent=recent,
                 progress=lambda done, total: bar.update(done - bar.n),
             )
         except ValueError as exc:
@@ -235,7 +235,7 @@ def bench_speed(
     names = _policies(policies)
     files = list(text_files) or sorted(str(p) for p in LICENSES.iterdir() if not p.is_symlink())
     ids = _tokens(path, "\n".join(_read(f) for f in files))
-    from .controller import parse_schedule
+    from .budget import parse_schedule
 
     evict_every, observe = parse_schedule(evict_every, observe_steps)
     if len(ids) < 2 * budget + decode_tokens:

@@ -18,67 +18,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
+from .budget import Budget, cells_for
 from .engine import Engine
 from .errors import AhakvError
 from .native import TapFlag
 from .policies import Observation, Policy
-
-
-@dataclass(frozen=True)
-class Budget:
-    """How many cells to keep: a fixed count, a fraction of the tokens seen, or ``auto``."""
-
-    mode: Literal["cells", "ratio", "auto"]
-    value: float = 0.0
-    min_ratio: float = 0.10  # auto: never keep less than this fraction of the tokens seen
-    max_ratio: float = 0.40  # auto: never keep more
-    error_tol: float = 0.05  # auto: evict while the predicted relative output change stays below this
-
-    @classmethod
-    def parse(cls, text: str | int | float, **kw) -> Budget:
-        """'128' -> 128 cells, '0.25' or '25%' -> a quarter of the tokens seen, 'auto' -> error-driven.
-        The one parser of budgets; anything else (0, 0%, 100%, inf, nan, 1.5, -3) is an AhakvError."""
-        s = str(text).strip().lower()
-        if s == "auto":
-            return cls("auto", **kw)
-        percent = s.endswith("%")
-        try:
-            v = float(s[:-1] if percent else s)
-        except ValueError:
-            raise AhakvError(f"budget must be a cell count, a ratio (0.25 or 25%) or 'auto', not {text!r}") from None
-        if percent:
-            v /= 100
-            if not 0 < v < 1:
-                raise AhakvError(f"a budget in percent must be above 0% and below 100%, not {text!r}")
-            return cls("ratio", v, **kw)
-        if math.isfinite(v) and v >= 1 and v == int(v):
-            return cls("cells", int(v), **kw)
-        if 0 < v < 1:
-            return cls("ratio", v, **kw)
-        raise AhakvError(f"budget must be a positive whole number of cells or a ratio in (0, 1), not {text!r}")
-
-    def target(self, n_seen: int) -> int | None:
-        if self.mode == "cells":
-            return int(self.value)
-        if self.mode == "ratio":
-            return max(1, math.ceil(self.value * n_seen))
-        return None  # auto: decided by the error model
-
-    def __str__(self) -> str:
-        return {"cells": f"{int(self.value)} cells", "ratio": f"{100 * self.value:g}%"}.get(self.mode, "auto")
-
-
-def default_evict_every(budget: Budget, n_sink: int = 4, n_recent: int = 32) -> int:
-    """The eviction period the product uses: 32 decode steps, observed on the last one (tapping every
-    step costs a third of the decode speed; see benchmarks/RESULTS.md), shorter for a budget too
-    small to leave that much room; every step for ratio and auto budgets."""
-    if budget.mode != "cells":
-        return 1
-    return max(1, min(32, (int(budget.value) - n_sink - n_recent) // 4))
 
 
 @dataclass
@@ -103,14 +50,6 @@ class ControllerConfig:
             raise AhakvError(f"sinks and recent must be at least 0, not {self.n_sink} and {self.n_recent}")
         if self.pinned is not None and not 0 <= self.pinned[0] <= self.pinned[1]:
             raise AhakvError(f"a pinned span is [start, end) with 0 <= start <= end, not {self.pinned}")
-
-
-def parse_schedule(evict_every: int | None, observe_steps: int) -> tuple[int | None, int | None]:
-    """The command-line form (--evict-every N or default, --observe-steps N with 0 = every step) checked and
-    turned into the controller's (None = the product's default period; None = observe every step)."""
-    if (evict_every is not None and evict_every < 1) or observe_steps < 0:
-        raise AhakvError("--evict-every must be at least 1 and --observe-steps at least 0")
-    return evict_every, observe_steps or None
 
 
 @dataclass
@@ -180,6 +119,8 @@ class KVController:
         """Every check a budget must pass before it is used with ``policy`` (default: the current one):
         the floor, the allocated cells, and an error model for 'auto'. Raises AhakvError; changes nothing."""
         policy = policy or self.policy
+        if policy.evicts and not budget.evicts:
+            raise AhakvError(f"policy {policy.name} evicts: give it a budget (the full cache keeps everything)")
         self.check_floor(budget)
         if budget.mode == "auto" and not policy.supports_auto_budget:
             raise AhakvError(f"an auto budget needs a policy with an error model (ahakv), not {policy.name}")
@@ -196,9 +137,8 @@ class KVController:
         return self.evict()
 
     def fits(self, budget: Budget) -> bool:
-        """Whether the allocated cells hold this budget plus one prompt chunk (or the newest token)."""
-        need = budget.value + self.engine.config.n_ubatch + 1
-        return budget.mode != "cells" or self.engine.n_ctx >= need
+        """Whether the allocated cells hold this budget plus one prompt chunk and the newest token."""
+        return budget.mode != "cells" or self.engine.n_ctx >= cells_for(budget, self.engine.config.n_ubatch, 0)
 
     def set_policy(self, policy: Policy) -> None:
         """Switch policies; the new one learns from the next decode on (its statistics are tapped then).
@@ -321,7 +261,7 @@ class KVController:
 
     def evict(self) -> int:
         """Evict down to the budget now; returns how many positions went."""
-        if not self.policy.evicts or self._tap is None:
+        if not self.policy.evicts or not self.config.budget.evicts or self._tap is None:
             return 0
         if self._obs is None or self._obs.positions is not self.live:
             # the live set changed since the last decode (an eviction, a new budget): re-read the

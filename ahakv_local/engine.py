@@ -135,12 +135,17 @@ class Engine:
         self._llama_cpp = llama_cpp
         self.path = Path(llm.model_path)
         p = llm.context_params
-        self.config = EngineConfig(
+        types = {v: k for k, v in _GGML_TYPES.items()}
+        self.config = EngineConfig(  # everything the context was created with, as Engine() would have
             n_ctx=p.n_ctx,
             n_batch=p.n_batch,
             n_ubatch=p.n_ubatch,
             n_threads=p.n_threads,
+            n_gpu_layers=llm.model_params.n_gpu_layers,
             flash_attn=p.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            type_k=types.get(p.type_k, str(p.type_k)),
+            type_v=types.get(p.type_v, str(p.type_v)),
+            swa_full=bool(p.swa_full),
             verbose=llm.verbose,
         )
         self._model, self._ctx, self._batch = upstream.handles(llm)

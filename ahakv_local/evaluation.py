@@ -15,23 +15,23 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from .controller import Budget, ControllerConfig, KVController, default_evict_every
-from .engine import Engine, EngineConfig
-from .policies import make_policy
+from .budget import Budget
+from .controller import KVController
+from .session import BoundedSession, SessionSpec, open_session
 
-CONTROLLER_KEYS = ("evict_every", "observe_steps")  # config params that go to the controller, not the policy
 Q_LEVELS = 65535  # uint16
+FULL = SessionSpec()  # the reference: every position kept
 
 
 @dataclass
 class PplResult:
     policy: str
-    budget: str
+    budget: Budget
     tokens: int
     ppl: float
     max_cells: int
@@ -118,57 +118,40 @@ class LogProbStore:
 
 @dataclass
 class _Run:
-    """One configuration being evaluated: its engine, controller and running sums."""
+    """One configuration being evaluated: its session and running sums."""
 
-    label: str
-    policy: str
-    budget: Budget
-    params: dict
-    engine: Engine
-    ctl: KVController
+    session: BoundedSession
     nll: list[float] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
     top1: list[bool] = field(default_factory=list)
     peak: int = 0
     seconds: float = 0.0
 
+    @property
+    def ctl(self) -> KVController:
+        return self.session.controller
+
     def result(self, n_tokens: int) -> PplResult:
+        spec = self.session.spec
         return PplResult(
-            self.policy,
-            str(self.budget),
+            spec.policy,
+            spec.budget,
             n_tokens,
             float(np.exp(np.mean(self.nll))),
             self.peak,
             self.seconds,
-            self.params,
+            dict(spec.params),
             float(np.mean(self.kl)) if self.kl else 0.0,
             float(np.mean(self.top1)) if self.top1 else 1.0,
         )
 
 
-def _open(
-    model: Path,
-    n_tokens: int,
-    policy: str,
-    budget: Budget,
-    n_ubatch: int,
-    n_sink: int,
-    n_recent: int,
-    params: dict,
-    label: str,
-    step: int = 1,
-) -> _Run:
-    unbounded = policy == "full" or budget.mode != "cells"
-    n_ctx = n_tokens + n_ubatch + 16 if unbounded else int(budget.value) + 2 * n_ubatch
-    engine = Engine(model, EngineConfig(n_ctx=n_ctx, n_batch=n_ubatch, n_ubatch=n_ubatch))
-    kw = dict(params)
-    # the product's schedule when stepping token by token; in steps of several tokens, an eviction
-    # after each that leaves room for the next, so no step ever holds more than the budget
-    every = step if step > 1 else default_evict_every(budget, n_sink, n_recent)
-    schedule = {"evict_every": every, "observe_steps": 1}
-    schedule |= {k: kw.pop(k) for k in CONTROLLER_KEYS if k in kw}  # the rest configure the policy
-    ctl = KVController(engine, make_policy(policy, **kw), ControllerConfig(budget, n_sink, n_recent, **schedule))
-    return _Run(label, policy, budget, params, engine, ctl)
+def _open(model: Path, n_tokens: int, spec: SessionSpec, n_ubatch: int, step: int = 1) -> _Run:
+    # token by token: the spec's schedule (the product's by default); in steps of several tokens, an
+    # eviction after each that leaves room for the next, so no step ever holds more than the budget
+    if step > 1:
+        spec = replace(spec, evict_every=step, observe_steps=1)
+    return _Run(open_session(model, spec, n_tokens, n_ubatch))
 
 
 def _nll(logp: np.ndarray, targets: list[int]) -> list[float]:
@@ -179,7 +162,7 @@ def _stream(run: _Run, tokens: list[int], prefix: int, step: int) -> Iterator[tu
     """Decode ``tokens`` through the run's controller (the prefix in n_ubatch chunks, then ``step`` at a
     time: token by token through ``KVController.step`` or one decode call per step, the cache brought back
     to the budget after each); yield (a, logp): float32 log-softmax rows predicting tokens[a : a + len]."""
-    n_ubatch = run.engine.config.n_ubatch
+    n_ubatch = run.session.engine.config.n_ubatch
     spans = [(a, min(a + n_ubatch, prefix)) for a in range(0, prefix, n_ubatch)]
     spans += [(a, min(a + step, len(tokens))) for a in range(prefix, len(tokens), step)]
     last: np.ndarray | None = None
@@ -200,37 +183,37 @@ def _stream(run: _Run, tokens: list[int], prefix: int, step: int) -> Iterator[tu
 def evaluate(
     model: Path,
     tokens: list[int],
-    configs: list[tuple[str, str, str | int, dict]],
+    specs: list[SessionSpec],
     prefix: int = 128,
     n_ubatch: int = 64,
-    n_sink: int = 4,
-    n_recent: int = 32,
     step: int = 1,
     progress: Callable[[int, int], None] = lambda done, total: None,
     store_dir: str | Path | None = None,
 ) -> dict[str, PplResult]:
-    """Streaming perplexity, KL from the full cache and top-1 agreement for each (label, policy, budget,
-    params), plus the full cache itself under the label "full".
+    """Streaming perplexity, KL from the full cache and top-1 agreement for each spec, by its label, plus
+    the full cache itself under the label "full".
 
     After the prefix, tokens go in ``step`` at a time (1: token by token through ``KVController.step``;
     more: one decode call per step, every row scored, the cache brought back to the budget after
     each, so it never holds more than budget + step cells). The full cache runs first and leaves its
     rows in a ``LogProbStore`` (a temporary file in ``store_dir``, default the system's); then each
     configuration runs alone, and its engine is closed before the next opens. ``progress`` counts
-    tokens over all runs: (done, len(tokens) * (len(configs) + 1))."""
+    tokens over all runs: (done, len(tokens) * (len(specs) + 1))."""
     if not 1 <= step <= n_ubatch:
         raise ValueError(f"step must be between 1 and n_ubatch ({n_ubatch})")
-    specs = [("full", "full", Budget("cells", 10**9), {})]
-    specs += [(label, p, Budget.parse(b), kw) for label, p, b, kw in configs]
-    total = len(tokens) * len(specs)
+    labels = [spec.label for spec in specs]
+    if FULL.label in labels or len(set(labels)) != len(labels):
+        raise ValueError(f"configuration labels must be unique and not {FULL.label!r}: {labels}")
+    runs = [FULL, *specs]
+    total = len(tokens) * len(runs)
     results: dict[str, PplResult] = {}
     store: LogProbStore | None = None
     try:
-        for k, (label, policy, budget, params) in enumerate(specs):
-            run = _open(model, len(tokens), policy, budget, n_ubatch, n_sink, n_recent, params, label, step)
+        for k, spec in enumerate(runs):
+            run = _open(model, len(tokens), spec, n_ubatch, step)
             try:
-                if k == 0 and configs:
-                    store = LogProbStore(run.engine.n_vocab, store_dir)
+                if k == 0 and specs:
+                    store = LogProbStore(run.session.engine.n_vocab, store_dir)
                 for a, logp in _stream(run, tokens, prefix, step):
                     run.nll += _nll(logp, tokens[a : a + len(logp)])
                     if store is not None and a >= prefix:  # the steps after the prefix are compared
@@ -242,8 +225,8 @@ def evaluate(
                             run.top1 += top1
                     progress(k * len(tokens) + a + len(logp), total)
             finally:
-                run.engine.close()
-            results[label] = run.result(len(tokens))
+                run.session.close()
+            results[spec.label] = run.result(len(tokens))
             if store is not None:
                 store.rewind()
         return results
@@ -253,22 +236,13 @@ def evaluate(
 
 
 def streaming_perplexity(
-    model: Path,
-    tokens: list[int],
-    policy: str,
-    budget: str | int,
-    prefix: int = 128,
-    n_ubatch: int = 64,
-    n_sink: int = 4,
-    n_recent: int = 32,
-    **policy_params,
+    model: Path, tokens: list[int], spec: SessionSpec = FULL, prefix: int = 128, n_ubatch: int = 64
 ) -> PplResult:
     """One configuration alone (no reference run): perplexity and the peak cell count."""
-    b = Budget.parse(budget)
-    run = _open(model, len(tokens), policy, b, n_ubatch, n_sink, n_recent, policy_params, policy)
+    run = _open(model, len(tokens), spec, n_ubatch)
     try:
         for a, logp in _stream(run, tokens, prefix, 1):
             run.nll += _nll(logp, tokens[a : a + len(logp)])
         return run.result(len(tokens))
     finally:
-        run.engine.close()
+        run.session.close()

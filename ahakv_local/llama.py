@@ -27,11 +27,12 @@ import llama_cpp
 import numpy as np
 
 from . import upstream
-from .controller import Budget, ControllerConfig, ControllerStats, KVController, default_evict_every
+from .budget import Budget
+from .controller import ControllerStats, KVController
 from .engine import Engine
 from .errors import AhakvError
 from .info import read_info
-from .policies import make_policy
+from .session import SessionSpec
 
 
 class Stopped(Exception):
@@ -139,23 +140,27 @@ class Llama(llama_cpp.Llama):
             return
 
         budget = Budget.parse(kv_budget, min_ratio=kv_min_ratio, max_ratio=kv_max_ratio, error_tol=kv_error_tol)
-        policy = make_policy(kv_policy)  # an unknown name fails before the model loads
+        # an unknown policy or a policy without a budget fails here, before the model loads
+        spec = SessionSpec.bounded(
+            kv_policy,
+            budget,
+            n_sink=kv_sinks,
+            n_recent=kv_recent,
+            evict_every=kv_evict_every,
+            observe_steps=kv_observe_steps,
+            pinned=kv_pinned,
+        )
         if kwargs.get("logits_all"):
             raise AhakvError("logits_all keeps a row of logits per position; it cannot be combined with kv_budget")
         n_batch = min(n_batch, n_ctx) if budget.mode != "cells" else n_batch
-        if kv_evict_every is None:
-            kv_evict_every = default_evict_every(budget, kv_sinks, kv_recent)
-        # cells: the budget plus one prompt chunk; ratio/auto: the caller's n_ctx bounds the cells
-        cells = int(budget.value) + n_batch + 1 if budget.mode == "cells" else n_ctx
+        # the cells of a sequence read n_batch tokens at a time; ratio/auto: the caller's n_ctx bounds them
+        cells = spec.cells(n_batch, n_ctx)
         check_cells(model_path, cells, budget)
         super().__init__(model_path, n_ctx=cells, n_batch=n_batch, **kwargs)
 
         engine = Engine.attach(self)
         self._kv_engine = engine
-        config = ControllerConfig(
-            budget, kv_sinks, kv_recent, kv_evict_every, kv_pinned, observe_steps=kv_observe_steps
-        )
-        self._kv = KVController(engine, policy, config)
+        self._kv = spec.controller(engine)
         self._kv_reuse_compressed = kv_reuse_compressed
         # positions, not cells, bound a sequence now: the trained context
         upstream.set_position_bound(self, engine.n_ctx_train)
@@ -264,7 +269,8 @@ class Llama(llama_cpp.Llama):
             raise ValueError("this state holds token ids outside this model's vocabulary")
         upstream.restore_positions(self, ids, state.n_tokens, state.seed, scores)
         buf = (ctypes.c_uint8 * state.llama_state_size).from_buffer_copy(state.llama_state)
-        if llama_cpp.llama_state_set_data(self._ctx.ctx, buf, state.llama_state_size) != state.llama_state_size:
+        _, ctx, _ = upstream.handles(self)
+        if llama_cpp.llama_state_set_data(ctx.ctx, buf, state.llama_state_size) != state.llama_state_size:
             self.reset()  # whatever llama.cpp restored is not a consistent cache
             raise ValueError("llama.cpp refused this state (saved with another model or settings)")
         if self._kv is not None:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .controller import Budget, ControllerConfig, KVController, default_evict_every
-from .engine import Engine, EngineConfig
-from .policies import make_policy
+from .budget import Budget
+from .engine import Engine
+from .session import SessionSpec, open_session
 
 INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -31,8 +31,9 @@ QUESTION = "\n\nWhat is the pass key? The pass key is"
 
 @dataclass
 class NeedleTrial:
+    label: str
     policy: str
-    budget: int | None  # None: the full cache
+    budget: Budget
     length: int  # prompt tokens
     depth: float  # where the key sits, as a fraction of the filler
     key: str
@@ -65,32 +66,26 @@ def run_needle(
     filler_text: str,
     lengths: list[int],
     depths: list[float],
-    configs: list[tuple[str, int | None]],
+    specs: list[SessionSpec],
     trials: int = 1,
     seed: int = 0,
-    n_sink: int = 4,
-    n_recent: int = 32,
     n_ubatch: int = 64,
     answer_tokens: int = 8,
     progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> list[NeedleTrial]:
-    """Every (policy, budget) of ``configs`` on every length x depth x trial; budget None = full cache."""
+    """Every spec on every length x depth x trial (the full cache is ``SessionSpec()``)."""
     rng = random.Random(seed)
     keys = {(n, d, t): str(rng.randrange(10_000, 100_000)) for n in lengths for d in depths for t in range(trials)}
-    longest = max(lengths) + answer_tokens + n_ubatch
+    longest = max(lengths) + answer_tokens
     results: list[NeedleTrial] = []
-    total, done = len(configs) * len(keys), 0
-    for policy, budget in configs:
-        cells = longest if budget is None else budget + 2 * n_ubatch
-        with Engine(model, EngineConfig(n_ctx=cells, n_batch=n_ubatch, n_ubatch=n_ubatch)) as engine:
+    total, done = len(specs) * len(keys), 0
+    for spec in specs:
+        with open_session(model, spec, longest, n_ubatch) as session:
+            engine, ctl = session.engine, session.controller
             filler = engine.tokenize(filler_text, add_bos=False)
             for (length, depth, _), key in keys.items():
                 prompt = build_prompt(engine, filler, length, depth, key)
-                engine.truncate(0)
-                b = Budget("cells", budget if budget is not None else 10**9)
-                every = default_evict_every(b, n_sink, n_recent)  # the product's schedule
-                config = ControllerConfig(b, n_sink, n_recent, evict_every=every, observe_steps=1)
-                ctl = KVController(engine, make_policy(policy if budget else "full"), config)
+                session.reset()  # an empty cache and a fresh policy for every trial
                 logits = ctl.prefill(prompt)
                 peak, out = ctl.live.size, []
                 for _ in range(answer_tokens):  # greedy
@@ -102,16 +97,18 @@ def run_needle(
                     peak = max(peak, ctl.live.size)
                 answer = engine.detokenize(out)
                 solved = answer_key(answer) == key
-                results.append(NeedleTrial(policy, budget, length, depth, key, answer.strip(), solved, peak))
+                results.append(
+                    NeedleTrial(spec.label, spec.policy, spec.budget, length, depth, key, answer.strip(), solved, peak)
+                )
                 done += 1
                 progress(done, total)
     return results
 
 
 def accuracy_table(trials: list[NeedleTrial]) -> list[str]:
-    """Markdown: solved fraction per (policy, budget) and length."""
+    """Markdown: solved fraction per configuration and length."""
     lengths = sorted({t.length for t in trials})
-    groups: dict[tuple[str, int | None], dict[int, list[bool]]] = {}
+    groups: dict[tuple[str, Budget], dict[int, list[bool]]] = {}
     for t in trials:
         groups.setdefault((t.policy, t.budget), {}).setdefault(t.length, []).append(t.solved)
     lines = [
@@ -122,5 +119,5 @@ def accuracy_table(trials: list[NeedleTrial]) -> list[str]:
         cells = [
             f"{np.mean(by_len[n]):.0%} ({sum(by_len[n])}/{len(by_len[n])})" if n in by_len else "" for n in lengths
         ]
-        lines.append(f"| {policy} | {budget if budget is not None else 'full'} | " + " | ".join(cells) + " |")
+        lines.append(f"| {policy} | {budget} | " + " | ".join(cells) + " |")
     return lines

@@ -13,10 +13,6 @@ from .bench import LongRow  # noqa: E402
 from .evaluation import PplResult  # noqa: E402
 
 
-def _cells(budget: str) -> int:
-    return int(budget.split()[0])
-
-
 def plot_ppl(results: dict[str, PplResult], tokens: int, path: Path, title: str = "") -> Path:
     """Perplexity against budget (as compression: tokens / cells), one line per configuration (labels
     are "<name>@<cells>"), the full cache dashed."""
@@ -24,7 +20,7 @@ def plot_ppl(results: dict[str, PplResult], tokens: int, path: Path, title: str 
     by_policy: dict[str, list[tuple[float, float]]] = {}
     for label, r in results.items():
         if label != "full":
-            by_policy.setdefault(label.split("@")[0], []).append((tokens / _cells(r.budget), r.ppl))
+            by_policy.setdefault(label.split("@")[0], []).append((r.budget.compression(tokens), r.ppl))
     for name, points in sorted(by_policy.items()):
         points.sort()
         ax.plot(

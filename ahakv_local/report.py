@@ -56,7 +56,7 @@ def write_ppl_report(
     from .plots import plot_ppl
 
     meta = provenance(model, text, tokens) | {"step": step}
-    rows = [{"label": label, **asdict(r)} for label, r in results.items()]
+    rows = [{"label": label, **asdict(r), "budget": str(r.budget)} for label, r in results.items()]
     full = results["full"].ppl
     lines = [
         f"# streaming perplexity: {model.name}, {tokens} tokens of {text}, {step} token(s) per step",
@@ -65,10 +65,9 @@ def write_ppl_report(
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for label, r in results.items():
-        ratio = tokens / int(r.budget.split()[0]) if label != "full" else 1.0
         name = label.split("@")[0]
         lines.append(
-            f"| {name} | {r.budget if label != 'full' else '-'} | {ratio:.1f}x | {r.ppl:.3f} | "
+            f"| {name} | {r.budget} | {r.budget.compression(tokens):.1f}x | {r.ppl:.3f} | "
             f"{100 * (r.ppl / full - 1):+.1f}% | {r.kl:.4f} | {r.top1:.3f} |"
         )
     out.mkdir(parents=True, exist_ok=True)
@@ -82,8 +81,8 @@ def write_needle_report(out: Path, trials: list[NeedleTrial], model: Path, fille
     """results.json/.csv/.md of the passkey trials; return the Markdown table's lines."""
     meta = provenance(model, filler, max(t.length for t in trials))
     lines = [f"# passkey retrieval: {model.name}, filler {filler}", "", *accuracy_table(trials)]
-    fields = ["policy", "budget", "length", "depth", "key", "answer", "solved", "max_cells"]
-    _write(out, meta, [asdict(t) for t in trials], fields, lines)
+    fields = ["label", "policy", "budget", "length", "depth", "key", "answer", "solved", "max_cells"]
+    _write(out, meta, [asdict(t) | {"budget": str(t.budget)} for t in trials], fields, lines)
     return lines
 
 

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from .controller import Budget
+from .budget import Budget
 from .errors import AhakvError
 from .llama import Llama, Stopped
 from .policies import make_policy

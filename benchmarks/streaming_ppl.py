@@ -20,6 +20,7 @@ from ahakv_local.evaluation import streaming_perplexity
 from ahakv_local.models import resolve_model
 from ahakv_local.policies import POLICIES
 from ahakv_local.policies.ahakv import ABLATIONS
+from ahakv_local.session import SessionSpec
 
 
 def main() -> None:
@@ -42,14 +43,15 @@ def main() -> None:
     if args.ablations:
         runs += [(label, "ahakv", params) for label, params in ABLATIONS.items()]
 
-    full = streaming_perplexity(model, tokens, "full", 10**9, prefix=args.prefix)
-    results = {"full": asdict(full)}
+    full = streaming_perplexity(model, tokens, SessionSpec(), prefix=args.prefix)
+    results = {"full": asdict(full) | {"budget": str(full.budget)}}
     print(f"full cache: ppl {full.ppl:.3f} over {len(tokens)} tokens of {args.text}", flush=True)
     table: dict[str, dict[str, float]] = {}
     for budget in args.budgets.split(","):
         for label, policy, params in runs:
-            r = streaming_perplexity(model, tokens, policy, budget, prefix=args.prefix, **params)
-            results[f"{label} @ {budget}"] = asdict(r)
+            spec = SessionSpec.bounded(policy, budget, label=label, params=params)
+            r = streaming_perplexity(model, tokens, spec, prefix=args.prefix)
+            results[f"{label} @ {budget}"] = asdict(r) | {"budget": str(r.budget)}
             table.setdefault(label, {})[budget] = r.ppl
             print(
                 f"{label:32s} budget {budget:>5s}: ppl {r.ppl:8.3f} (max cells {r.max_cells}, {r.seconds:.0f} s)",

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ahakv_local.controller import Budget, ControllerConfig, KVController
+from ahakv_local.budget import Budget
+from ahakv_local.controller import ControllerConfig, KVController
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.errors import AhakvError
 from ahakv_local.native import TapFlag

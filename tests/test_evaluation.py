@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from ahakv_local.controller import Budget
 from ahakv_local.engine import Engine, EngineConfig
-from ahakv_local.evaluation import LogProbStore, _open, evaluate, log_softmax
+from ahakv_local.evaluation import FULL, LogProbStore, _open, evaluate, log_softmax
+from ahakv_local.session import SessionSpec
 
 
 def one_pass_ppl(model, tokens, **kw) -> float:
@@ -42,17 +42,19 @@ def test_stepping_in_chunks_scores_every_token_and_holds_the_budget(fixture_mode
     with Engine(fixture_model, EngineConfig(n_ctx=256)) as e:
         tokens = e.tokenize(license_text)[:300]
     one_pass = one_pass_ppl(fixture_model, tokens)
-    results = evaluate(fixture_model, tokens, [("h2o", "h2o", 64, {})], prefix=64, step=16)
+    results = evaluate(fixture_model, tokens, [SessionSpec.bounded("h2o", 64, label="h2o")], prefix=64, step=16)
     assert abs(results["full"].ppl / one_pass - 1) < 1e-5  # F32 fixture: chunked == one pass
     assert results["h2o"].max_cells <= 64 and results["h2o"].ppl != results["full"].ppl  # held at every step
-    by_token = evaluate(fixture_model, tokens, [("h2o", "h2o", 64, {})], prefix=64, step=1)
+    by_token = evaluate(fixture_model, tokens, [SessionSpec.bounded("h2o", 64, label="h2o")], prefix=64, step=1)
     assert by_token["full"].ppl == pytest.approx(results["full"].ppl, rel=1e-5)
 
 
 def test_kl_of_the_full_cache_against_itself_is_zero(fixture_model, license_text):
     with Engine(fixture_model, EngineConfig(n_ctx=256)) as e:
         tokens = e.tokenize(license_text)[:120]
-    results = evaluate(fixture_model, tokens, [("full again", "full", 10**9, {}), ("h2o", "h2o", 48, {})], prefix=32)
+    results = evaluate(
+        fixture_model, tokens, [SessionSpec("full again"), SessionSpec.bounded("h2o", 48, label="h2o")], prefix=32
+    )
     again, h2o = results["full again"], results["h2o"]
     # the stored rows are within e = scale / 2 of the exact ones, so KL(p' || p) is at most e exp(e) per
     # token; the fixture's rows span < 10 nats (at most 7.6 on GPL-3): e < 10 / 65535 / 2 = 7.7e-5 (LogProbStore)
@@ -64,8 +66,7 @@ def lockstep_reference(model, tokens, policy, budget, prefix, step) -> dict[str,
     """The old lockstep evaluation, in float64 and without a store: the full cache and one configuration
     side by side, every row compared exactly; plus the bound on the store's KL error (LogProbStore):
     per row (exp(e) - 1) E_p|log p - log q| + e exp(e), e = half the quantization step."""
-    pairs = [("full", 10**9), (policy, budget)]
-    runs = [_open(model, len(tokens), p, Budget.parse(b), 64, 4, 32, {}, p, step) for p, b in pairs]
+    runs = [_open(model, len(tokens), spec, 64, step) for spec in (FULL, SessionSpec.bounded(policy, budget))]
     try:
         rows = [r.ctl.prefill(tokens[:prefix], all_logits=True) for r in runs]
         nll = [[-log_softmax(x)[t] for x, t in zip(r[:-1], tokens[1:prefix], strict=True)] for r in rows]
@@ -86,7 +87,7 @@ def lockstep_reference(model, tokens, policy, budget, prefix, step) -> dict[str,
             top1 += (logp[0].argmax(axis=1) == logp[1].argmax(axis=1)).tolist()
     finally:
         for run in runs:
-            run.engine.close()
+            run.session.close()
     ppl = [float(np.exp(np.mean(n))) for n in nll]
     return {"ppl_full": ppl[0], "ppl": ppl[1], "kl": np.mean(kl), "bound": np.mean(bound), "top1": np.mean(top1)}
 
@@ -97,7 +98,7 @@ def test_kl_from_the_compact_store_equals_the_exact_lockstep_kl(model_name, step
     with Engine(model, EngineConfig(n_ctx=256)) as e:
         tokens = e.tokenize(license_text)[:224]
     ref = lockstep_reference(model, tokens, "h2o", 96, prefix=64, step=step)
-    got = evaluate(model, tokens, [("h2o", "h2o", 96, {})], prefix=64, step=step)
+    got = evaluate(model, tokens, [SessionSpec.bounded("h2o", 96, label="h2o")], prefix=64, step=step)
     # perplexities: each run's own float32 rows, never quantized: the float64 ones to float32 rounding
     assert got["full"].ppl == pytest.approx(ref["ppl_full"], rel=1e-6)
     assert got["h2o"].ppl == pytest.approx(ref["ppl"], rel=1e-6)
@@ -127,12 +128,13 @@ PEAK_SCRIPT = """
 import sys
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.evaluation import evaluate
+from ahakv_local.session import SessionSpec
 from ahakv_local.models import default_model_path
 model = default_model_path()
 with Engine(model, EngineConfig(n_ctx=256)) as e:
     tokens = e.tokenize(open("/usr/share/common-licenses/GPL-3").read())[:256]
 start = int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmRSS")))
-configs = [(p, p, 96, {}) for p in sys.argv[1].split(",")]
+configs = [SessionSpec.bounded(p, 96) for p in sys.argv[1].split(",")]
 evaluate(model, tokens, configs, prefix=64, step=16)
 peak = int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM")))
 print((peak - start) * 1024)

@@ -10,6 +10,7 @@ import pytest
 
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.needle import NEEDLE, answer_key, build_prompt, run_needle
+from ahakv_local.session import SessionSpec
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
@@ -35,7 +36,7 @@ def test_answer_scoring():
 
 
 def test_gemma_finds_the_key_with_the_full_cache(gemma_model, license_text):
-    trials = run_needle(gemma_model, license_text, [1024], [0.1, 0.5, 0.9], [("full", None)], trials=2, seed=1)
+    trials = run_needle(gemma_model, license_text, [1024], [0.1, 0.5, 0.9], [SessionSpec()], trials=2, seed=1)
     assert len(trials) == 6 and all(t.max_cells >= 1024 for t in trials)
     assert all(t.solved for t in trials), [(t.depth, t.key, t.answer) for t in trials]
 
@@ -50,11 +51,12 @@ def test_eval_needle_command_writes_every_output(fixture_model, tmp_path):
     assert proc.returncode == 0, proc.stderr
     data = json.loads((out / "results.json").read_text())
     rows = data["results"]
-    assert [(r["policy"], r["budget"], r["length"]) for r in rows] == [
-        ("full", None, 300), ("full", None, 400), ("h2o", 64, 300), ("h2o", 64, 400),
-        ("ahakv", 64, 300), ("ahakv", 64, 400),
+    assert [(r["label"], r["budget"], r["length"]) for r in rows] == [
+        ("full", "full cache", 300), ("full", "full cache", 400), ("h2o@64", "64 cells", 300),
+        ("h2o@64", "64 cells", 400), ("ahakv@64", "64 cells", 300), ("ahakv@64", "64 cells", 400),
     ]  # fmt: skip
-    assert all(r["max_cells"] <= 64 + 64 for r in rows if r["budget"])
+    # the cache holds the budget plus at most one prompt chunk (64 tokens) before each compression
+    assert all(r["max_cells"] <= 64 + 64 for r in rows if r["label"] != "full")
     assert data["config"]["model_sha256"]
     assert (out / "results.csv").read_text().count("\n") == 7
-    assert "| ahakv | 64 |" in (out / "results.md").read_text()
+    assert "| ahakv | 64 cells |" in (out / "results.md").read_text()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ahakv_local.controller import Budget, ControllerConfig, KVController
+from ahakv_local.budget import Budget
+from ahakv_local.controller import ControllerConfig, KVController
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.native import TapFlag
 from ahakv_local.policies import POLICIES, make_policy

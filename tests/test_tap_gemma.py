@@ -103,8 +103,9 @@ def test_decode_tap_and_reconstruction_term(gemma_model, prompt_tokens, prompt):
             v_rep = np.repeat(v, r, axis=1)  # [n, n_head, hd]
             dist = np.linalg.norm(v_rep - o[None], axis=-1).T  # [n_head, n]
             # elementwise: the F32 cancellation of ||v||^2 - 2 v.o + ||o||^2 (tests/numerics.py)
-            bound = p * distance_rounding(np.linalg.norm(v_rep, axis=-1).T, np.linalg.norm(o, axis=1)[:, None],
-                                          dist, o.shape[1])
+            bound = p * distance_rounding(
+                np.linalg.norm(v_rep, axis=-1).T, np.linalg.norm(o, axis=1)[:, None], dist, o.shape[1]
+            )
             err = np.abs(e.stat("verr", il).values - p * dist)
             assert (err <= bound + sum_rtol(2) * p * dist).all(), f"verr layer {il}: {(err / bound).max():.2f}"
 

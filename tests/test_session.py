@@ -1,0 +1,88 @@
+"""The budget and the bounded session, each owned by one module: one grammar, one rule for cells, one
+spelling of "no eviction", and every front end sized by the same rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ahakv_local import Llama
+from ahakv_local.budget import NO_EVICTION, Budget, cells_for
+from ahakv_local.engine import Engine, EngineConfig
+from ahakv_local.errors import AhakvError
+from ahakv_local.evaluation import evaluate
+from ahakv_local.session import SessionSpec, open_session
+
+
+def test_the_cell_rule():
+    # a cell budget: itself, one chunk on top (compressed after each chunk) and the newest token
+    assert cells_for(Budget.parse(128), 64, 10_000) == 128 + 64 + 1
+    # a ratio, an error model or no eviction may need every position of the longest sequence
+    for budget in (Budget.parse("25%"), Budget.parse("auto"), NO_EVICTION):
+        assert cells_for(budget, 64, 3000) == 3000
+
+
+def test_budget_meanings():
+    assert Budget.parse("0.125").target(800) == 100 and Budget.parse("0.125").compression(800) == 8.0
+    assert Budget.parse(200).compression(800) == 4.0 and Budget.parse(200).target(5) == 200
+    assert NO_EVICTION.target(800) is None and NO_EVICTION.compression(800) == 1.0 and not NO_EVICTION.evicts
+    assert [str(b) for b in (Budget.parse(64), Budget.parse("12.5%"), Budget.parse("auto"), NO_EVICTION)] == [
+        "64 cells",
+        "12.5%",
+        "auto",
+        "full cache",
+    ]
+
+
+def test_specs_are_checked_before_any_model_loads():
+    with pytest.raises(AhakvError, match="evicts: give it a budget"):
+        SessionSpec("h2o", "h2o")  # an evicting policy with NO_EVICTION
+    with pytest.raises(AhakvError, match="unknown policy"):
+        SessionSpec.bounded("nope", 64)
+    with pytest.raises(AhakvError, match="budget must be"):
+        SessionSpec.bounded("h2o", "lots")
+    with pytest.raises(AhakvError, match="unknown setting"):
+        SessionSpec.bounded("ahakv", 64, params={"holistic": False})
+    assert SessionSpec.bounded("tova", 64).label == "tova@64" and SessionSpec().budget is NO_EVICTION
+
+
+def test_the_drop_in_and_open_session_allocate_by_the_same_rule(fixture_model):
+    spec = SessionSpec.bounded("ahakv", 300)
+    with open_session(fixture_model, spec, longest=2000, n_ubatch=64) as session:
+        opened = session.engine.n_ctx
+        assert session.controller.fits(spec.budget)
+    with Llama(str(fixture_model), kv_budget=300, n_batch=64, n_ubatch=64, verbose=False) as llm:
+        assert llm.kv_engine.n_ctx == opened
+    # llama.cpp pads the cells to a multiple of 256: 300 + 64 + 1 -> 512
+    assert opened == 512 and opened >= cells_for(spec.budget, 64, 2000)
+
+
+def test_the_full_cache_keeps_every_position(fixture_model, license_text):
+    with Engine(fixture_model, EngineConfig(n_ctx=256)) as e:
+        tokens = e.tokenize(license_text)[:300]
+    with open_session(fixture_model, SessionSpec(), longest=len(tokens), n_ubatch=64) as session:
+        session.controller.prefill(tokens)
+        live = session.engine.live_positions()
+        assert np.array_equal(live, np.arange(300)) and session.controller.stats.evicted == 0
+        session.reset()
+        assert session.engine.live_positions().size == 0 and session.engine.n_past == 0
+
+
+def test_a_bounded_session_holds_its_budget_and_reset_replays_it(fixture_model, license_text):
+    with Engine(fixture_model, EngineConfig(n_ctx=256)) as e:
+        tokens = e.tokenize(license_text)[:400]
+    spec = SessionSpec.bounded("ahakv", 96, n_recent=8)
+    with open_session(fixture_model, spec, longest=len(tokens), n_ubatch=64) as session:
+        first = session.controller.prefill(tokens)
+        kept = session.engine.live_positions()
+        assert kept.size <= 96 and np.array_equal(kept, session.controller.live)
+        session.reset()  # an empty cache and a fresh policy: the same tokens meet the same evictions
+        again = session.controller.prefill(tokens)
+        assert np.array_equal(session.engine.live_positions(), kept) and np.array_equal(again, first)
+
+
+def test_evaluation_labels_are_unique(fixture_model):
+    with pytest.raises(ValueError, match="unique"):
+        evaluate(fixture_model, list(range(10)), [SessionSpec.bounded("h2o", 64)] * 2)
+    with pytest.raises(ValueError, match="unique"):
+        evaluate(fixture_model, list(range(10)), [SessionSpec()])
