@@ -41,6 +41,10 @@ class EngineConfig:
     type_k: str = "f16"
     type_v: str = "f16"
     swa_full: bool = True  # Gemma 3: give the sliding-window cache as many cells as the full one
+    # exact cells of the (full-attention, sliding-window) caches, overriding n_ctx and swa_full for the cache
+    # sizes; 0 in either keeps llama.cpp's rule for that cache. No padding: any size >= n_ubatch is honoured
+    # (a sliding-window cache below its window + n_ubatch needs evictions from it to keep decoding)
+    cache_cells: tuple[int, int] | None = None
     verbose: bool = False
 
 
@@ -84,6 +88,7 @@ class Engine:
         if not path.is_file():
             raise AhakvError(f"model file not found: {path}")
         check_architecture(path)  # one line for a model the tap or eviction cannot handle, before llama.cpp
+        cache_cells = self._check_cache_cells(config, min(config.n_ubatch, config.n_batch))
         self.native = lib()  # refuses an unpatched engine before anything is loaded
 
         import llama_cpp
@@ -116,14 +121,33 @@ class Engine:
         if cb_eval is not None:
             self._cb_eval = cb_eval  # keep the CFUNCTYPE alive as long as the context
             cparams.cb_eval = cb_eval
+        if cache_cells[1] and llama_cpp.llama_model_n_swa(self._model.model) <= 0:
+            self._model.close()
+            raise AhakvError(f"{path.name} has no sliding-window cache: cache_cells=(n, 0) sizes its only cache")
         try:
-            self._ctx = upstream.new_context(self._model, cparams, config.verbose)
+            self._ctx = upstream.new_context(self._model, cparams, config.verbose, cache_cells)
         except ValueError as exc:
             self._model.close()
             raise AhakvError(f"cannot create a context for {path} (n_ctx={config.n_ctx})") from exc
         self._batch = upstream.new_batch(config.n_batch, config.verbose)
         self._owned = True
         self._describe()
+        for cache, wanted in zip((LayerCache.BASE, LayerCache.SLIDING), cache_cells, strict=True):
+            got = self.cache_cells(cache)
+            if wanted and got != wanted:
+                self.close()
+                raise AhakvError(f"the engine gave the {cache.name.lower()} cache {got} cells, not the {wanted} asked")
+
+    @staticmethod
+    def _check_cache_cells(config: EngineConfig, n_ubatch: int) -> tuple[int, int]:
+        if config.cache_cells is None:
+            return (0, 0)
+        cells = tuple(config.cache_cells)
+        if len(cells) != 2 or any(not isinstance(n, int) or n < 0 for n in cells):
+            raise ValueError(f"cache_cells must be two cell counts >= 0 (base, sliding), not {config.cache_cells!r}")
+        if any(0 < n < n_ubatch for n in cells):
+            raise ValueError(f"cache_cells {cells}: a cache needs n_ubatch ({n_ubatch}) cells or more")
+        return cells
 
     @classmethod
     def attach(cls, llm) -> Engine:
@@ -241,7 +265,8 @@ class Engine:
             self._batch.set_batch(chunk, n_past=self.n_past, logits_all=all_logits)
             rc = llama_cpp.llama_decode(self.ctx, self._batch.batch)
             if rc == 1:
-                raise AhakvError(f"the KV cache is full ({self.n_ctx} cells): evict or raise n_ctx")
+                sizes = ", ".join(f"{c.name.lower()} {self.cache_cells(c)}" for c in self.caches)
+                raise AhakvError(f"the KV cache is full (cells: {sizes}): evict or give it more cells")
             if rc != 0:
                 raise AhakvError(f"llama_decode failed with code {rc}")
             self.n_past += len(chunk)
@@ -257,12 +282,24 @@ class Engine:
     def n_cells(self, layer: int | None = None) -> int:
         return self.native.n_cells(self.ctx, self.base_layer if layer is None else layer)
 
+    @property
+    def caches(self) -> list[LayerCache]:
+        """The KV caches of this context: [BASE] or [BASE, SLIDING]."""
+        return [c for c in (LayerCache.BASE, LayerCache.SLIDING) if c in self.layer_cache]
+
+    def cache_cells(self, cache: LayerCache) -> int:
+        """Cells of one cache (0 if the context has none)."""
+        return self.n_cells(self.layer_cache.index(cache)) if cache in self.layer_cache else 0
+
     def n_used(self, layer: int | None = None) -> int:
         """Cells in use in the cache ``layer`` reads (default: the base cache)."""
         return self.native.n_used(self.ctx, self.base_layer if layer is None else layer)
 
-    def kv_bytes(self) -> int:
-        return int(self.native.kv_bytes(self.ctx))
+    def kv_bytes(self, cache: LayerCache | None = None) -> int:
+        """Bytes of the K and V buffers: of every cache, or of one (0 for a cache the context does not have)."""
+        if cache is None:
+            return int(self.native.kv_bytes(self.ctx))
+        return int(self.native.kv_bytes_cache(self.ctx, int(cache)))
 
     def cell_positions(self, layer: int | None = None) -> np.ndarray:
         """int32 [n_cells]: the position each cell holds, -1 for an empty cell (default: base cache)."""
@@ -284,18 +321,26 @@ class Engine:
         self._ctx.kv_cache_seq_rm(SEQ, n_past, -1)
         self.n_past = n_past
 
-    def evict(self, positions: Sequence[int] | np.ndarray) -> int:
-        """Remove these positions from every cache in one native call; returns how many were present."""
+    def evict(self, positions: Sequence[int] | np.ndarray, cache: LayerCache | None = None) -> int:
+        """Remove these positions in one native call: from every cache (``cache=None``), or from one cache only,
+        whose layers then stop seeing them while the other cache's layers keep them. Returns how many were
+        present (in the base cache for ``None``)."""
+        if cache is LayerCache.NONE:
+            raise ValueError("LayerCache.NONE is no cache to evict from")
         pos = np.unique(np.asarray(positions, dtype=np.int32))
         if pos.size == 0:
             return 0
-        rc = self.native.evict(self.ctx, SEQ, pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), pos.size)
+        ptr = pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        if cache is None:
+            rc = self.native.evict(self.ctx, SEQ, ptr, pos.size)
+        else:
+            rc = self.native.evict_cache(self.ctx, int(cache), SEQ, ptr, pos.size)
         if rc < 0:
             reason = {
                 EvictError.NEWEST_POSITION: "the newest position can never be evicted",
                 EvictError.NOT_SORTED: "positions must be strictly increasing",
                 EvictError.NO_KV_CACHE: "the model has no KV cache",
-            }.get(rc, "bad argument")
+            }.get(rc, "bad argument" if cache in (None, *self.layer_cache) else f"no {cache.name.lower()} cache")
             raise AhakvError(f"eviction refused: {reason}")
         return rc
 
