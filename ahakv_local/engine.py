@@ -124,11 +124,18 @@ class Engine:
         if cache_cells[1] and llama_cpp.llama_model_n_swa(self._model.model) <= 0:
             self._model.close()
             raise AhakvError(f"{path.name} has no sliding-window cache: cache_cells=(n, 0) sizes its only cache")
+        # the cache sizes are a per-thread setting of the patched engine that the next llama_init_from_model
+        # consumes (llama_context_params, a ctypes mirror in llama-cpp-python, cannot grow a field)
+        if self.native.set_next_cache_cells(*cache_cells) != 0:
+            self._model.close()
+            raise AhakvError(f"bad cache sizes {cache_cells}")
         try:
-            self._ctx = upstream.new_context(self._model, cparams, config.verbose, cache_cells)
+            self._ctx = upstream.new_context(self._model, cparams, config.verbose)
         except ValueError as exc:
             self._model.close()
             raise AhakvError(f"cannot create a context for {path} (n_ctx={config.n_ctx})") from exc
+        finally:
+            self.native.set_next_cache_cells(0, 0)  # consumed already, unless creation failed before llama.cpp
         self._batch = upstream.new_batch(config.n_batch, config.verbose)
         self._owned = True
         self._describe()

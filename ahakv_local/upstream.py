@@ -71,24 +71,11 @@ def load_model(path: str, params, verbose: bool):
     return _internals.LlamaModel(path_model=path, params=params, verbose=verbose)
 
 
-def new_context(model, params, verbose: bool, cache_cells: tuple[int, int] | None = None):
-    """A ``LlamaContext`` (ValueError if llama.cpp cannot create it). ``cache_cells`` = (base, sliding) cells of
-    its KV caches (0: llama.cpp's rule): a per-thread setting of the patched engine that the next
-    ``llama_init_from_model`` consumes, since ``llama_context_params`` (a ctypes mirror) cannot grow a field."""
+def new_context(model, params, verbose: bool):
+    """A ``LlamaContext`` (ValueError if llama.cpp cannot create it)."""
     from llama_cpp import _internals
 
-    if not cache_cells or not any(cache_cells):
-        return _internals.LlamaContext(model=model, params=params, verbose=verbose)
-
-    from .native import lib
-
-    native = lib()
-    if native.set_next_cache_cells(*cache_cells) != 0:
-        raise ValueError(f"bad cache sizes {cache_cells}")
-    try:
-        return _internals.LlamaContext(model=model, params=params, verbose=verbose)
-    finally:
-        native.set_next_cache_cells(0, 0)  # consumed already, unless LlamaContext failed before llama.cpp ran
+    return _internals.LlamaContext(model=model, params=params, verbose=verbose)
 
 
 def new_batch(n_tokens: int, verbose: bool):

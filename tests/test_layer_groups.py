@@ -120,19 +120,29 @@ def test_next_context_setting_is_consumed_once(gemma3_fixture):
     """llama_ahakv_set_next_cache_cells sizes the next context of this thread only, even when that creation fails."""
     lib = native.lib()
     assert lib.set_next_cache_cells(-1, 0) == -1
-    assert lib.set_next_cache_cells(300, 40) == 0
-    with make_engine(gemma3_fixture) as e:  # no cache_cells: the pending setting applies
-        assert (e.cache_cells(BASE), e.cache_cells(SLIDING)) == (300, 40)
+    with make_engine(gemma3_fixture) as e:  # the Engine always says its sizes: (0, 0) is llama.cpp's rule
+        assert (e.cache_cells(BASE), e.cache_cells(SLIDING)) == (256, 256)
         model = e._model.model
-        with make_engine(gemma3_fixture) as again:
-            assert (again.cache_cells(BASE), again.cache_cells(SLIDING)) == (256, 256)
+        base, sliding = e.layer_cache.index(BASE), e.layer_cache.index(SLIDING)
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch, params.swa_full = 256, 32, 32, False
+
+        def raw_sizes() -> tuple[int, int]:
+            ctx = llama_cpp.llama_init_from_model(model, params)
+            try:
+                return lib.n_cells(ctx, base), lib.n_cells(ctx, sliding)
+            finally:
+                llama_cpp.llama_free(ctx)
+
+        assert lib.set_next_cache_cells(300, 40) == 0
+        assert raw_sizes() == (300, 40)  # the pending setting sizes the next context ...
+        assert raw_sizes() == (256, 256)  # ... and only that one
         # a creation llama.cpp refuses (n_batch = n_ubatch = 0) consumes it too
         assert lib.set_next_cache_cells(300, 40) == 0
-        params = llama_cpp.llama_context_default_params()
-        params.n_batch = params.n_ubatch = 0
-        assert not llama_cpp.llama_init_from_model(model, params)
-    with make_engine(gemma3_fixture) as e:
-        assert (e.cache_cells(BASE), e.cache_cells(SLIDING)) == (256, 256)
+        bad = llama_cpp.llama_context_default_params()
+        bad.n_batch = bad.n_ubatch = 0
+        assert not llama_cpp.llama_init_from_model(model, bad)
+        assert raw_sizes() == (256, 256)
 
 
 # -- per-cache eviction -------------------------------------------------------------------------------------
