@@ -78,14 +78,25 @@ class Budget:
 NO_EVICTION = Budget("none")  # the full cache: every position is kept
 
 
-def cells_for(budget: Budget, chunk: int, longest: int) -> int:
+QUERY_TOKENS = 128  # at most this many tokens of a question guide the reading of a long prompt
+REPEAT_TOKENS = 32  # room for the repetition prompt of a question-agnostic (reconstruction) reading
+
+
+def guide_room(reading: str, chunk: int) -> int:
+    """Cells a guided reading needs on top: the question (or a repetition prompt and the chunk again)
+    is decoded behind each chunk before the compression."""
+    return {"query": QUERY_TOKENS, "reconstruct": REPEAT_TOKENS + chunk}.get(reading, 0)
+
+
+def cells_for(budget: Budget, chunk: int, longest: int, room: int = 0) -> int:
     """KV cells to allocate for a sequence under ``budget`` that is read ``chunk`` tokens at a time and is
     at most ``longest`` tokens long: a cell budget needs itself, one chunk on top (the cache is compressed
-    after each chunk) and the newest token; any other budget can need every position (capped by
-    ``longest``: a ratio of the whole, or an error model, or no eviction)."""
+    after each chunk), the newest token and the ``room`` a guided reading decodes behind a chunk
+    (``guide_room``); any other budget can need every position (capped by ``longest``: a ratio of the
+    whole, or an error model, or no eviction)."""
     if budget.mode == "cells":
-        return int(budget.value) + chunk + 1
-    return longest
+        return int(budget.value) + chunk + 1 + room
+    return longest + room
 
 
 def default_evict_every(budget: Budget, n_sink: int = 4, n_recent: int = 32) -> int:

@@ -31,6 +31,7 @@ HELP = """commands:
   /stats            cache and speed statistics
   /policy NAME      switch the eviction policy ({policies})
   /budget N|R|auto  change the budget (cells, a ratio like 0.25, or auto), up to the allocated cells
+  /read FILE        read a document into the conversation (compressed to the budget, for any question)
   /save FILE        save the conversation and its cache
   /load FILE        restore a conversation saved with /save
   /exit             quit (also Ctrl-D, or Ctrl-C twice)
@@ -162,6 +163,40 @@ class ChatSession:
         self._pin_system_prompt()
         return f"loaded {len(messages)} messages, {self.llm.kv_stats().cells_used} cached tokens"
 
+    def read_document(self, path: Path) -> str:
+        """Put a document into the conversation now, before any question about it: it is read through the
+        bounded cache question-agnostically (reconstruction), so what is kept serves the questions to come."""
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except OSError as exc:
+            raise AhakvError(f"cannot read {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise AhakvError(f"{path} is not UTF-8 text (byte {exc.start}): convert it first") from None
+        if not text.strip():
+            raise AhakvError(f"{path} is empty")
+        added = [
+            {"role": "user", "content": f"Here is a document, {path.name}:\n\n{text}"},
+            {"role": "assistant", "content": f"I have read {path.name}. What would you like to know?"},
+        ]
+        llm = self.llm
+        tokens = self._prompt_tokens(self.messages + added)
+        n = llm.n_tokens
+        if n and list(llm.input_ids[:n]) != tokens[:n]:  # the cache does not hold this history: read it all
+            llm.reset()
+            n = 0
+        if llm.kv_controller is not None:
+            llm.set_kv_query("reconstruct" if llm.kv_controller.policy.reads_with_query else False)
+        try:
+            llm.eval(tokens[n:])
+        except (AhakvError, ValueError):
+            llm.reset()  # the history is read again with the next message; the conversation is unchanged
+            raise
+        finally:
+            llm.set_kv_query(False)
+        self.messages += added
+        s = llm.kv_stats()
+        return f"read {path.name}: {len(tokens) - n} tokens, {s.cells_used} cells kept of {s.tokens_seen} seen"
+
     def transcript(self) -> str:
         return json.dumps(self.messages, indent=1, ensure_ascii=False)
 
@@ -276,6 +311,10 @@ def command(session: ChatSession, cmd: str, arg: str) -> str:
         return session.set_policy(arg) if arg else f"policy: {session._controller().policy.name}"
     if cmd == "/budget":
         return session.set_budget(arg) if arg else f"budget: {session._controller().config.budget}"
+    if cmd == "/read":
+        if not arg:
+            raise AhakvError("usage: /read FILE")
+        return session.read_document(Path(os.path.expanduser(arg)))
     if cmd in ("/save", "/load"):
         if not arg:
             raise AhakvError(f"usage: {cmd} FILE")

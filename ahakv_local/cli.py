@@ -125,6 +125,15 @@ def engine_options(f):
             default=None,
             help="Prompt tokens per decode call (default: 64 with a budget, to keep the cells near it; 512).",
         ),
+        click.option(
+            "--reading",
+            type=click.Choice(["query", "plain", "reconstruct"]),
+            default="query",
+            show_default=True,
+            envvar="AHAKV_READING",
+            help="How a prompt longer than the budget is read: guided by its question (ahakv, snapkv, tova), "
+            "by the policy alone, or question-agnostic by reconstruction (about 2x the prompt time).",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
@@ -155,7 +164,7 @@ def utf8(data: bytes, where: str) -> str:
 
 def load_llama(
     model, ctx_size, budget, policy, sinks, recent, error_tol, evict_every, observe_steps, threads, n_gpu_layers,
-    batch_size, **extra,
+    batch_size, reading="query", **extra,
 ):  # fmt: skip
     """Resolve, check and load a model as an ahakv_local.Llama; every user mistake is an AhakvError."""
     from .budget import Budget, parse_schedule
@@ -193,6 +202,7 @@ def load_llama(
             kv_error_tol=error_tol,
             kv_evict_every=evict_every,
             kv_observe_steps=observe_steps,
+            kv_query={"query": True, "plain": False}.get(reading, reading),
             **extra,
         )
     except ValueError as exc:
@@ -231,7 +241,8 @@ def chat(model, system, n_predict, temp, top_k, top_p, seed, **engine) -> None:
 @click.option("--top-p", default=0.95, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--stats", is_flag=True, help="Print prompt/generation speed and cache figures to stderr.")
-def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, stats, **engine) -> None:
+@click.option("--query", default=None, help="The question to read a long prompt with (default: its last paragraph).")
+def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, stats, query, **engine) -> None:
     """Generate a continuation of a prompt."""
     if n_predict < 1:
         raise AhakvError("-n/--n-predict must be at least 1")
@@ -247,9 +258,12 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
             raise AhakvError("give a prompt with -p, --file or on standard input")
     llm = load_llama(model, **engine)
     generated = 0
+    if query is not None and engine["reading"] != "query":
+        raise AhakvError(f"--query guides a reading; it cannot be combined with --reading {engine['reading']}")
     stream = llm.create_completion(
-        prompt, max_tokens=n_predict, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, stream=True
-    )
+        prompt, max_tokens=n_predict, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, stream=True,
+        kv_query=query or None,
+    )  # fmt: skip
     try:
         for chunk in stream:
             click.echo(chunk["choices"][0]["text"], nl=False)

@@ -17,6 +17,7 @@ than budget + one chunk of cells.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,17 @@ from .engine import Engine
 from .errors import AhakvError
 from .native import TapFlag
 from .policies import Observation, Policy
+from .policies.base import unit_mean
+
+
+@dataclass(frozen=True)
+class Reconstruct:
+    """Question-agnostic reading (KVzip, Kim et al. 2025): behind each chunk the model reads ``prompt`` (a
+    request to repeat the context) and the chunk again; what that reconstruction attends to is kept. A
+    position keeps the best score any pass gave it, so the chunks read earlier are not judged only by how
+    much the reconstruction of a later chunk needs them."""
+
+    prompt: tuple[int, ...]
 
 
 @dataclass
@@ -80,18 +92,97 @@ class KVController:
         self._tap: tuple[TapFlag, int] | None = None
         self._obs: Observation | None = None
         self._pending = 0  # decode steps whose attention the tap has summed but nobody has read yet
+        self._best = np.zeros(0)  # Reconstruct: each position's best reconstruction score so far
 
     # -- decoding ------------------------------------------------------------------------------------
 
-    def prefill(self, tokens: list[int], all_logits: bool = False, chunk: int | None = None) -> np.ndarray:
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        all_logits: bool = False,
+        chunk: int | None = None,
+        query: Sequence[int] | Reconstruct | None = None,
+        ends_prompt: bool = True,
+    ) -> np.ndarray:
         """Decode a prompt in chunks (of n_ubatch by default), compressing after each chunk; return the
-        logits of the last token, or of every token with ``all_logits``."""
+        logits of the last token, or of every token with ``all_logits``.
+
+        With ``query`` (the tokens of what the reader will be asked; see ``read_query``) and a policy that
+        reads with one, every compression but the last is guided by it: the query is decoded behind the
+        chunk, its attention over the cache (all layers, all heads) joins the policy's own score, and its
+        cells are removed again before the next chunk, which takes its positions. The last chunk ends the
+        prompt (where the question itself is) and is read once, normally (``ends_prompt=False``: these tokens
+        are only a part of a prompt, and their last chunk is guided too). With ``Reconstruct`` no question
+        is known: every chunk is scored by how much a repetition of it attends to each position."""
         chunk = chunk or self.engine.config.n_ubatch
+        use_query = bool(query) and self.policy.reads_with_query
         rows = []
         for i in range(0, len(tokens), chunk):
-            rows.append(self._decode(tokens[i : i + chunk], self.policy.window, all_logits))
-            self.evict()
+            piece = tokens[i : i + chunk]
+            rows.append(self._decode(piece, self.policy.window, all_logits))
+            if isinstance(query, Reconstruct) and use_query:
+                again = [*query.prompt, *piece]
+                self.evict(self._reconstruction_scores(again) if self._has_room(len(again)) else None)
+                continue
+            last = ends_prompt and i + chunk >= len(tokens)
+            guided = use_query and not last and self._over_budget() and self._has_room(len(query))
+            self.evict(self.read_query(query) if guided else None)
         return np.concatenate(rows) if all_logits else rows[-1]
+
+    def _reconstruction_scores(self, query: list[int]) -> np.ndarray:
+        """Score this pass, remember each position's best (scaled to mean 1 per pass), return the best."""
+        scores = unit_mean(self.read_query(query))
+        end = int(self.live[-1]) + 1 if self.live.size else 0
+        if self._best.size < end:
+            self._best = np.concatenate([self._best, np.zeros(max(end - self._best.size, self._best.size))])
+        self._best[self.live] = np.maximum(self._best[self.live], scores)
+        return self._best[self.live]
+
+    def read_query(self, query: Sequence[int]) -> np.ndarray:
+        """Decode ``query`` behind the live positions, return the policy's query score of each (aligned with
+        ``live``), and remove the query again: its cells, its statistics, and its positions, which the next
+        tokens reuse. The policy's running state never sees it."""
+        e = self.engine
+        start = e.n_past
+        flags = self.policy.query_flags
+        if self.config.track_mass:
+            flags |= TapFlag.ATTN
+        self._set_tap(flags, 0)  # every row of the query
+        if flags & TapFlag.SIDE:
+            target = self.config.budget.target(e.n_past) or self.live.size
+            e.set_side_scale(self.policy.side_scale(e.n_past, target))
+        e.reset_stats()
+        try:
+            e.decode(list(query))
+            seen = np.concatenate([self.live, np.arange(start, e.n_past, dtype=np.int64)])
+            stats = e.aligned(seen, flags)
+            obs = Observation(
+                positions=seen,
+                n_seen=e.n_past,
+                n_rows=e.stat_rows,
+                budget=self.config.budget.target(start) or self.live.size,
+                visible=stats.visible,
+                attn=stats.values.get(TapFlag.ATTN),
+                side=stats.values.get(TapFlag.SIDE),
+                verr=stats.values.get(TapFlag.VERR),
+                vnorm=stats.values.get(TapFlag.VNORM),
+            )
+            return self.policy.query_score(obs)[: self.live.size]
+        finally:
+            e.truncate(start)  # the query's cells go; llama.cpp needs the next token at seq_pos_max + 1
+            e.reset_stats()
+
+    def _has_room(self, n: int) -> bool:
+        """Whether ``n`` more tokens fit the allocated cells now (a budget raised past the room the session
+        was sized with reads that chunk unguided instead of failing)."""
+        return self.engine.n_used() + n <= self.engine.n_ctx
+
+    def _over_budget(self) -> bool:
+        """Whether an eviction now would remove anything (cell and ratio budgets; auto decides for itself)."""
+        target = self.config.budget.target(self.engine.n_past)
+        if target is None:
+            return self.config.budget.mode == "auto"
+        return self.live.size > max(1, target - (self.config.evict_every - 1))
 
     def step(self, token: int) -> np.ndarray:
         """Decode one generated token; evict every ``evict_every`` positions.
@@ -168,6 +259,7 @@ class KVController:
         # from the start: a fresh policy (same settings), so a replay meets exactly the same decisions
         self.policy = self.policy.fresh() if n == 0 else self.policy
         self.policy.truncate(n)
+        self._best[n:] = 0.0
         self._obs = None
         self._pending = 0  # the summed rows may include forgotten positions' queries: drop them
         self.stats.tokens_seen = n
@@ -259,8 +351,9 @@ class KVController:
             keep |= (pos >= cfg.pinned[0]) & (pos < cfg.pinned[1])
         return keep
 
-    def evict(self) -> int:
-        """Evict down to the budget now; returns how many positions went."""
+    def evict(self, query_scores: np.ndarray | None = None) -> int:
+        """Evict down to the budget now; returns how many positions went. ``query_scores`` (aligned with
+        ``live``, from ``read_query``) join the policy's own score (``Policy.with_query``)."""
         if not self.policy.evicts or not self.config.budget.evicts or self._tap is None:
             return 0
         if self._obs is None or self._obs.positions is not self.live:
@@ -272,7 +365,10 @@ class KVController:
             return 0  # the error model decides at the next observed step (the budget just became auto)
         n = self.live.size
         candidates = np.flatnonzero(~self.protected())
-        scores = self.policy.score(obs)[candidates]
+        scores = self.policy.score(obs)
+        if query_scores is not None:
+            scores = self.policy.with_query(scores, query_scores)
+        scores = scores[candidates]
         order = candidates[np.lexsort((self.live[candidates], scores))]  # lowest score first, then oldest
         if budget.mode == "auto":
             k = self._auto_count(obs, order)

@@ -12,6 +12,10 @@ Without ``kv_budget`` it *is* llama_cpp.Llama (same code path, same errors). Wit
   is read from the start with a fresh policy (the cache may have holes, and the policy's statistics
   cannot be rewound), so the same request always gets the same answer. With
   ``kv_reuse_compressed=True`` (what the chat uses) the compressed history is reused on purpose;
+- a prompt longer than the budget is read guided by its question (``kv_query``), for policies that can be
+  (ahakv, snapkv, tova): ``create_chat_completion`` takes the last user message, ``create_completion`` the
+  ``kv_query=`` text of the call or else the prompt's last paragraph (its last 128 tokens at most);
+  ``kv_query=False`` reads plainly, ``kv_query="reconstruct"`` question-agnostically (KVzip's repetition);
 - the token-keyed state cache (``set_cache``) is refused: it would hand back lossy states as exact.
 """
 
@@ -27,12 +31,12 @@ import llama_cpp
 import numpy as np
 
 from . import upstream
-from .budget import Budget
+from .budget import QUERY_TOKENS, Budget, cells_for, guide_room
 from .controller import ControllerStats, KVController
 from .engine import Engine
 from .errors import AhakvError
 from .info import read_info
-from .session import SessionSpec
+from .session import SessionSpec, guide
 
 
 class Stopped(Exception):
@@ -123,6 +127,7 @@ class Llama(llama_cpp.Llama):
         kv_observe_steps: int | None = 1,
         kv_pinned: tuple[int, int] | None = None,
         kv_reuse_compressed: bool = False,
+        kv_query: bool | str = True,
         n_ctx: int = 512,
         n_batch: int = 512,
         **kwargs,
@@ -132,6 +137,11 @@ class Llama(llama_cpp.Llama):
         # client left, or the process's, without reaching into llama-cpp-python's generation loop
         self.should_stop: Callable[[], bool] = lambda: False
         self._timing = {"prompt_tokens": 0, "prompt_s": 0.0, "gen_tokens": 0, "gen_s": 0.0}
+        if kv_query not in (True, False, "reconstruct"):
+            raise AhakvError(f"kv_query must be True, False or 'reconstruct', not {kv_query!r}")
+        self._kv_query_default = kv_query
+        self._kv_guide = None  # what the next prompt is read with (set per request)
+        self._chat_question: str | None = None
         if kv_budget is None:
             check_cells(model_path, n_ctx, None)
             super().__init__(model_path, n_ctx=n_ctx, n_batch=n_batch, **kwargs)
@@ -153,8 +163,11 @@ class Llama(llama_cpp.Llama):
         if kwargs.get("logits_all"):
             raise AhakvError("logits_all keeps a row of logits per position; it cannot be combined with kv_budget")
         n_batch = min(n_batch, n_ctx) if budget.mode != "cells" else n_batch
-        # the cells of a sequence read n_batch tokens at a time; ratio/auto: the caller's n_ctx bounds them
-        cells = spec.cells(n_batch, n_ctx)
+        # the cells of a sequence read n_batch tokens at a time (ratio/auto: the caller's n_ctx bounds them),
+        # with room for the question a long prompt is read with
+        reading = {True: "query", "reconstruct": "reconstruct"}.get(kv_query, "plain")
+        room = guide_room(reading, kwargs.get("n_ubatch", n_batch)) if spec.make_policy().reads_with_query else 0
+        cells = cells_for(budget, n_batch, n_ctx, room) if budget.mode == "cells" else n_ctx
         check_cells(model_path, cells, budget)
         super().__init__(model_path, n_ctx=cells, n_batch=n_batch, **kwargs)
 
@@ -188,6 +201,44 @@ class Llama(llama_cpp.Llama):
             )
         super().set_cache(cache)
 
+    # -- the question a long prompt is read with ------------------------------------------------------
+
+    def set_kv_query(self, query: bool | str | None, prompt: str | Sequence[int] | None = None) -> None:
+        """Set what the next prompt is read with: a question's text, True (the last paragraph of ``prompt``),
+        "reconstruct", or False / None (plainly)."""
+        if self._kv is None or not query:
+            self._kv_guide = None
+            return
+        if query == "reconstruct":
+            self._kv_guide = guide("reconstruct", None, self._kv_engine)
+            return
+        if query is True:
+            if prompt is None:
+                self._kv_guide = None
+                return
+            text = prompt if isinstance(prompt, str) else self.detokenize(list(prompt)).decode(errors="replace")
+            query = next((p for p in reversed(text.split("\n\n")) if p.strip()), "")
+        tokens = self.tokenize(query.encode(), add_bos=False, special=False)[-QUERY_TOKENS:]
+        self._kv_guide = guide("query", tokens, self._kv_engine)
+
+    def create_completion(self, prompt, *args, kv_query: bool | str | None = None, **kwargs):
+        """llama-cpp-python's, plus ``kv_query``: the question a long prompt is read with (see the module)."""
+        if kv_query is None:
+            kv_query = self._chat_question if self._chat_question is not None else self._kv_query_default
+        self.set_kv_query(kv_query, prompt)
+        return super().create_completion(prompt, *args, **kwargs)
+
+    def create_chat_completion(self, messages, *args, kv_query: bool | str | None = None, **kwargs):
+        """llama-cpp-python's; a long conversation is read guided by its last user message by default."""
+        if kv_query is None and self._kv_query_default is True:
+            users = [m.get("content") for m in messages if m.get("role") == "user"]
+            kv_query = users[-1] if users and isinstance(users[-1], str) else None
+        self._chat_question = kv_query
+        try:
+            return super().create_chat_completion(messages, *args, **kwargs)
+        finally:
+            self._chat_question = None
+
     def eval(self, tokens: Sequence[int]):
         if self.should_stop():
             raise Stopped
@@ -212,7 +263,7 @@ class Llama(llama_cpp.Llama):
             if len(chunk) == 1:
                 kv.step(chunk[0])
             else:
-                kv.prefill(chunk)
+                kv.prefill(chunk, query=self._kv_guide, ends_prompt=i + self.n_batch >= len(tokens))
             self._count(len(chunk), time.perf_counter() - t0)
             self.input_ids[self.n_tokens : self.n_tokens + len(chunk)] = chunk
             self.n_tokens += len(chunk)
@@ -245,6 +296,8 @@ class Llama(llama_cpp.Llama):
                     f"Requested tokens ({n}) exceed the model's trained context of {self._n_ctx} positions"
                 ) from None
             raise
+        finally:
+            self._kv_guide = None  # the request's question guides its own prompt only
 
     def reset(self):
         super().reset()

@@ -8,14 +8,22 @@ drop-in's); ``open_session`` also opens the engine, with the cells ``budget.cell
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from .budget import NO_EVICTION, Budget, cells_for, default_evict_every
-from .controller import ControllerConfig, KVController
+import numpy as np
+
+from .budget import NO_EVICTION, Budget, cells_for, default_evict_every, guide_room
+from .controller import ControllerConfig, KVController, Reconstruct
 from .engine import Engine, EngineConfig
 from .errors import AhakvError
 from .policies import Policy, make_policy
+
+# what the reconstruction pass reads behind each chunk before the chunk itself again (KVzip's repeat prompt)
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
+Reading = Literal["plain", "query", "reconstruct"]
 
 
 @dataclass(frozen=True)
@@ -32,11 +40,16 @@ class SessionSpec:
     evict_every: int | None = None  # None: the product's default for the budget (default_evict_every)
     observe_steps: int | None = 1  # None: observe every decode step
     pinned: tuple[int, int] | None = None
+    # how a prompt longer than the budget is read: compressed by the policy alone, guided by the question,
+    # or question-agnostic by reconstruction (policies that cannot be guided read plainly)
+    reading: Reading = "plain"
 
     def __post_init__(self) -> None:
         policy = self.make_policy()  # an unknown policy or parameter fails here, before any model loads
         if policy.evicts and not self.budget.evicts:
             raise AhakvError(f"policy {self.policy} evicts: give it a budget (the full cache keeps everything)")
+        if self.reading not in ("plain", "query", "reconstruct"):
+            raise AhakvError(f"reading must be plain, query or reconstruct, not {self.reading!r}")
 
     @classmethod
     def bounded(cls, policy: str, budget: Budget | str | int | float, **kw) -> SessionSpec:
@@ -52,8 +65,9 @@ class SessionSpec:
             raise AhakvError(f"unknown setting for policy {self.policy}: {', '.join(self.params)}") from None
 
     def cells(self, chunk: int, longest: int) -> int:
-        """KV cells to allocate (the one rule, ``budget.cells_for``)."""
-        return cells_for(self.budget, chunk, longest)
+        """KV cells to allocate (the one rule, ``budget.cells_for``), with room for a guided reading."""
+        room = guide_room(self.reading, chunk) if self.make_policy().reads_with_query else 0
+        return cells_for(self.budget, chunk, longest, room)
 
     def config(self) -> ControllerConfig:
         every = self.evict_every or default_evict_every(self.budget, self.n_sink, self.n_recent)
@@ -81,6 +95,11 @@ class BoundedSession:
         """Back to an empty sequence with a fresh policy (same settings)."""
         self.controller.truncate(0)
 
+    def read(self, prompt: Sequence[int], question: Sequence[int] | None = None) -> np.ndarray:
+        """Read ``prompt`` (which ends with ``question``, if one is known) the way the spec says; return the
+        logits of its last token."""
+        return self.controller.prefill(prompt, query=guide(self.spec.reading, question, self.engine))
+
     def close(self) -> None:
         self.engine.close()
 
@@ -89,6 +108,15 @@ class BoundedSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def guide(reading: Reading, question: Sequence[int] | None, engine: Engine) -> Sequence[int] | Reconstruct | None:
+    """What ``KVController.prefill`` is guided by in this reading mode."""
+    if reading == "query":
+        return question or None
+    if reading == "reconstruct":
+        return Reconstruct(tuple(engine.tokenize(REPEAT_PROMPT, add_bos=False)))
+    return None
 
 
 def open_session(model: str | Path, spec: SessionSpec, longest: int, n_ubatch: int = 64, **engine_kw) -> BoundedSession:

@@ -39,6 +39,7 @@ class AhaKV(Policy):
     window = 32  # prefill: the last r rows of each chunk
     accumulates = True
     supports_auto_budget = True
+    reads_with_query = True
 
     r: int = 32  # recent accumulation window (queries)
     sg_softmax: bool = True  # (a) sharpen the scoring softmax by lambda(n)
@@ -138,6 +139,24 @@ class AhaKV(Policy):
 
     def score(self, obs: Observation) -> np.ndarray:
         return self.ring.get(obs.positions)
+
+    @property
+    def query_flags(self) -> TapFlag:  # type: ignore[override]
+        return self.tap_flags(0)
+
+    def query_score(self, obs: Observation) -> np.ndarray:
+        """The question's rows scored as a decode step is, without touching the running state: sharpened
+        attention times the relative distance ||v - o|| / ||o|| of the question's outputs (what evicting a
+        token would change in them), over all layers and heads with the learned head weights."""
+        mass = obs.side if self.sg_softmax and obs.side is not None else obs.attn
+        if self.error_model and obs.verr is not None and obs.vnorm is not None:
+            mass = mass * self._relative_distance(obs)
+        elif self.value_prior and obs.vnorm is not None:
+            mass = mass * self._value_prior(obs)
+        w = None
+        if self.holistic_weights and self.weights is not None and self.weights.shape == mass.shape[:2]:
+            w = self.weights / self.weights.mean()
+        return holistic_sum(mass, obs.visible, w) / max(obs.n_rows, 1)
 
     def truncate(self, n: int) -> None:
         self.ring.truncate(n)

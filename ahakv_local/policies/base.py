@@ -126,6 +126,8 @@ class Policy:
       steps may be summed in the graph and observed at once (see ControllerConfig.observe_steps);
     - ``evicts``: False for a policy that never evicts (the full cache);
     - ``supports_auto_budget``: it has ``predicted_error`` (the error model behind the 'auto' budget);
+    - ``reads_with_query``: it can be guided by a question while a long prompt is read (``query_flags`` to
+      tap over the question's rows, ``query_score(obs)`` from them, ``with_query`` to join its own score);
     - ``observe(obs)``: update running state after a decode call;
     - ``fresh()``: a new policy with the same settings and no state (a sequence read from the start);
       ``truncate(n)``: forget positions >= n (a rewind). A policy with state says how, explicitly.
@@ -137,6 +139,10 @@ class Policy:
     accumulates: ClassVar[bool] = False
     evicts: ClassVar[bool] = True
     supports_auto_budget: ClassVar[bool] = False
+    reads_with_query: ClassVar[bool] = False
+    query_flags: ClassVar[TapFlag] = TapFlag.ATTN
+    # with a question, the policy's own score still counts: this share of it, both scaled to mean 1
+    own_share: ClassVar[float] = 0.5
 
     def tap_flags(self, step: int) -> TapFlag:
         """The statistics for the decode call of this step (a policy may skip costly ones)."""
@@ -151,6 +157,16 @@ class Policy:
     def score(self, obs: Observation) -> np.ndarray:
         raise NotImplementedError
 
+    def query_score(self, obs: Observation) -> np.ndarray:
+        """Keep-score from a question's rows (FINCH, SnapKV with the question as the window): the mean
+        attention of its rows over every layer and head that can see each position. Must not change state."""
+        return holistic_sum(obs.attn, obs.visible) / max(obs.n_rows, 1)
+
+    def with_query(self, own: np.ndarray, query: np.ndarray) -> np.ndarray:
+        """The score to evict by when a question guides the reading: the question's attention, plus
+        ``own_share`` of the policy's own score, each scaled to mean 1 (their units differ)."""
+        return unit_mean(query) + self.own_share * unit_mean(own)
+
     def predicted_error(self, obs: Observation, order: np.ndarray) -> np.ndarray:
         """Predicted relative output change of evicting order[:k], for every k (auto budget only)."""
         raise NotImplementedError(f"{self.name} has no error model")
@@ -161,6 +177,13 @@ class Policy:
 
     def truncate(self, n: int) -> None:
         """Forget what was learned about positions >= n: the sequence is rewound there. Stateless: nothing."""
+
+
+def unit_mean(x: np.ndarray) -> np.ndarray:
+    """x divided by the mean of its finite entries (+inf, a policy insisting on a token, stays +inf)."""
+    finite = x[np.isfinite(x)]
+    mean = float(finite.mean()) if finite.size else 0.0
+    return x / mean if mean > 0 else np.where(np.isfinite(x), 0.0, x)
 
 
 def avg_pool(x: np.ndarray, kernel: int) -> np.ndarray:

@@ -17,6 +17,7 @@ class SnapKV(Policy):
     needs = TapFlag.ATTN
     window = 32
     accumulates = True
+    reads_with_query = True  # SnapKV's own setting: the question is the observation window
     w: int = 32
     kernel: int = 7
     recent: RecentSum = field(init=False)
@@ -32,3 +33,6 @@ class SnapKV(Policy):
 
     def score(self, obs: Observation) -> np.ndarray:
         return avg_pool(self.recent.get(obs.positions), self.kernel)
+
+    def query_score(self, obs: Observation) -> np.ndarray:
+        return avg_pool(super().query_score(obs), self.kernel)

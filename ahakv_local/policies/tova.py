@@ -15,6 +15,7 @@ class TOVA(Policy):
     name = "tova"
     needs = TapFlag.ATTN
     window = 1
+    reads_with_query = True
 
     def score(self, obs: Observation) -> np.ndarray:
         return holistic_sum(obs.attn, obs.visible)
