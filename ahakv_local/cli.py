@@ -256,10 +256,9 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
             prompt = utf8(sys.stdin.buffer.read(), "standard input")
         else:
             raise AhakvError("give a prompt with -p, --file or on standard input")
-    llm = load_llama(model, **engine)
-    generated = 0
     if query is not None and engine["reading"] != "query":
         raise AhakvError(f"--query guides a reading; it cannot be combined with --reading {engine['reading']}")
+    llm = load_llama(model, **engine)
     stream = llm.create_completion(
         prompt, max_tokens=n_predict, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, stream=True,
         kv_query=query or None,
@@ -267,7 +266,6 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
     try:
         for chunk in stream:
             click.echo(chunk["choices"][0]["text"], nl=False)
-            generated += chunk["choices"][0]["finish_reason"] is None  # one chunk per token, then a final one
     except ValueError as exc:  # llama-cpp-python's request errors: the prompt does not fit the context
         raise AhakvError(str(exc)) from None
     click.echo()
@@ -275,7 +273,7 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
         s = llm.kv_stats()
         budget = s.budget if s.budget is not None else "-"
         click.echo(
-            f"prompt {s.prompt_tokens} tok at {s.prompt_tps:.1f} t/s | generated {generated} tok at "
+            f"prompt {s.prompt_tokens} tok at {s.prompt_tps:.1f} t/s | generated {s.sampled_tokens} tok at "
             f"{s.generation_tps:.1f} t/s | cache {s.cells_used}/{budget} cells ({s.kv_cells} allocated, "
             f"{s.kv_bytes / 2**20:.1f} MiB KV) | seen {s.tokens_seen} | evicted {s.evicted}",
             err=True,

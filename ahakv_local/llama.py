@@ -104,8 +104,9 @@ class KVStats:
     kv_bytes: int
     prompt_tokens: int
     prompt_tps: float
-    generated_tokens: int
+    generated_tokens: int  # decoded one at a time (the generation speed's basis)
     generation_tps: float
+    sampled_tokens: int = 0  # tokens sampled since the timings were reset (a completion's length, end of turn included)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -136,7 +137,7 @@ class Llama(llama_cpp.Llama):
         # checked before every decode call (each prompt chunk, each token): a server stops a generation whose
         # client left, or the process's, without reaching into llama-cpp-python's generation loop
         self.should_stop: Callable[[], bool] = lambda: False
-        self._timing = {"prompt_tokens": 0, "prompt_s": 0.0, "gen_tokens": 0, "gen_s": 0.0}
+        self._timing = {"prompt_tokens": 0, "prompt_s": 0.0, "gen_tokens": 0, "gen_s": 0.0, "sampled": 0}
         if kv_query not in (True, False, "reconstruct"):
             raise AhakvError(f"kv_query must be True, False or 'reconstruct', not {kv_query!r}")
         self._kv_query_default = kv_query
@@ -277,7 +278,19 @@ class Llama(llama_cpp.Llama):
             # the same request meets the same evictions and gets the same answer
             self.n_tokens = 0
             self._requires_eval = True
-        return super().generate(tokens, *args, **kwargs)
+        return self._counted(super().generate(tokens, *args, **kwargs))
+
+    def _counted(self, tokens):
+        """Pass the sampled tokens (and anything sent back) through, counting them: a completion's
+        stream has one chunk per piece of text, not per token (empty and held-back pieces)."""
+        sent = None
+        while True:
+            try:
+                token = tokens.send(sent)
+            except StopIteration:
+                return
+            self._timing["sampled"] += 1
+            sent = yield token
 
     def _needs_rewind(self, tokens: Sequence[int]) -> bool:
         """Whether ``tokens`` fails to extend the whole cached sequence (llama-cpp-python would rewind)."""
@@ -374,4 +387,5 @@ class Llama(llama_cpp.Llama):
             prompt_tps=t["prompt_tokens"] / t["prompt_s"] if t["prompt_s"] else 0.0,
             generated_tokens=t["gen_tokens"],
             generation_tps=t["gen_tokens"] / t["gen_s"] if t["gen_s"] else 0.0,
+            sampled_tokens=t["sampled"],
         )
