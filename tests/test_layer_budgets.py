@@ -243,15 +243,16 @@ def test_info_bytes_per_group(gemma3_fixture, license_text):
 
 
 def test_gemma3_270m_natural_keeps_the_window(gemma_model, license_text):
-    """The real model at 10.5 MiB: natural gives the sliding layers their window (512 + 31 held: 608 cells with a
-    chunk of 64 and the newest) and the full-attention layers the rest (544 cells, 479 held); every group holds
-    its budget at every step, and the sliding layers see every position of their window all along."""
-    spec = SessionSpec.bounded("ahakv", "10.5MiB", layer_budgets="natural")
+    """The real model at 11 MiB (625 cells of every layer, shared): natural gives the sliding layers their
+    window (512 + 31 held: 608 cells with a chunk of 64 and the newest) and the full-attention layers the rest
+    (714 cells, 649 held); every group holds its budget at every step, and the sliding layers see every
+    position of their window all along."""
+    spec = SessionSpec.bounded("ahakv", "11MiB", layer_budgets="natural")
     with open_session(gemma_model, spec, longest=800, n_ubatch=64) as s:
         c, e = s.controller, s.engine
-        assert (e.cache_cells(BASE), e.cache_cells(SLIDING)) == (544, 608) and e.kv_bytes() <= 10.5 * 2**20
+        assert (e.cache_cells(BASE), e.cache_cells(SLIDING)) == (714, 608) and e.kv_bytes() <= 11 * 2**20
         base, sliding = c.group("base"), c.group("sliding")
-        assert (base.budget, sliding.budget) == (Budget("cells", 479), Budget("cells", 543))
+        assert (base.budget, sliding.budget) == (Budget("cells", 649), Budget("cells", 543))
         toks = e.tokenize(license_text)[:700]
         for a in range(0, 660, 64):
             c.prefill(toks[a : min(a + 64, 660)], ends_prompt=False)
@@ -261,10 +262,11 @@ def test_gemma3_270m_natural_keeps_the_window(gemma_model, license_text):
                 np.testing.assert_array_equal(g.live, g.read_live(e))
                 assert g.live.size <= g.budget.target(e.n_past)
             assert np.isin(np.arange(e.n_past - 512, e.n_past), sliding.live).all()
-        assert base.evicted > 0 and 479 - 31 <= base.live.size <= 479
-    # at 2 MiB the window does not fit: every cache gets the shared layout's cells
+        assert base.evicted > 0 and 649 - 31 <= base.live.size <= 649
+    # at 2 MiB the window does not fit: the sliding cache gets the shared layout's cells, the base cache the rest
     with open_session(gemma_model, SessionSpec.bounded("ahakv", "2MiB", layer_budgets="natural"), 800, 64) as s:
-        assert s.engine.cache_cells(BASE) == s.engine.cache_cells(SLIDING) == 2 * 2**20 // (18 * 1024)
+        e, n = s.engine, 2 * 2**20 // (18 * 1024)  # 113
+        assert e.cache_cells(SLIDING) == n <= e.cache_cells(BASE) <= n + 5 and e.kv_bytes() <= 2 * 2**20
 
 
 # -- the drop-in and the command line ---------------------------------------------------------------------
