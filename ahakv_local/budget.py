@@ -2,8 +2,12 @@
 
 This module is the one owner of budgets: their grammar (``Budget.parse``), their meaning at a given
 length (``Budget.target``), the one spelling of "no eviction" (``NO_EVICTION``), the one rule for how
-many KV cells a bounded sequence allocates (``cells_for``) and the default eviction schedule. The
-controller enforces a budget (``KVController.set_budget``); nothing else parses or sizes one.
+many KV cells a bounded sequence allocates (``cells_for``), how a budget is laid out on a model's layer
+groups and caches (``allocate``: a budget in bytes, ``shared`` or ``natural``) and the default eviction
+schedule. The controller enforces a budget (``KVController.set_budget``); nothing else parses or sizes one.
+
+A cell or ratio budget counts the cells of a full-attention layer (the base cache); a byte budget counts
+the allocated K+V bytes of every layer (every cache, as llama.cpp allocates them).
 """
 
 from __future__ import annotations
@@ -20,19 +24,32 @@ class Budget:
     """How many cells to keep: a fixed count, a fraction of the tokens seen, ``auto`` (decided by the
     policy's error model), or ``none`` (keep everything: ``NO_EVICTION``)."""
 
-    mode: Literal["cells", "ratio", "auto", "none"]
+    mode: Literal["cells", "ratio", "auto", "none", "bytes"]
     value: float = 0.0
     min_ratio: float = 0.10  # auto: never keep less than this fraction of the tokens seen
     max_ratio: float = 0.40  # auto: never keep more
     error_tol: float = 0.05  # auto: evict while the predicted relative output change stays below this
+    cap: int | None = None  # never more than this many cells (a sliding-window group's ratio, see allocate)
 
     @classmethod
     def parse(cls, text: str | int | float, **kw) -> Budget:
-        """'128' -> 128 cells, '0.25' or '25%' -> a quarter of the tokens seen, 'auto' -> error-driven.
-        The one parser of budgets; anything else (0, 0%, 100%, inf, nan, 1.5, -3) is an AhakvError."""
+        """'128' -> 128 cells, '0.25' or '25%' -> a quarter of the tokens seen, 'auto' -> error-driven,
+        '16MiB' (B, KiB, MiB, GiB; '1.5 GiB') -> allocated KV bytes over every layer. The one parser of
+        budgets; anything else (0, 0%, 100%, inf, nan, 1.5, -3, 0.5B) is an AhakvError."""
         s = str(text).strip().lower()
         if s == "auto":
             return cls("auto", **kw)
+        unit = next((u for u in BYTE_UNITS if s.endswith(u.lower())), None)
+        if unit is not None:
+            try:
+                n = float(s[: -len(unit)].strip()) * BYTE_UNITS[unit]
+            except ValueError:
+                n = math.nan
+            if not (math.isfinite(n) and n >= 1 and n == int(n)):
+                raise AhakvError(
+                    f"a budget in bytes must be a positive whole number of bytes, like 16MiB, not {text!r}"
+                )
+            return cls("bytes", int(n), **kw)
         percent = s.endswith("%")
         try:
             v = float(s[:-1] if percent else s)
@@ -57,10 +74,12 @@ class Budget:
         """Cells to keep after ``n_seen`` tokens; None where the error model decides (auto) or nothing
         is evicted (none)."""
         if self.mode == "cells":
-            return int(self.value)
-        if self.mode == "ratio":
-            return max(1, math.ceil(self.value * n_seen))
-        return None
+            target = int(self.value)
+        elif self.mode == "ratio":
+            target = max(1, math.ceil(self.value * n_seen))
+        else:
+            return None  # bytes: cells only once laid out on a model (allocate)
+        return target if self.cap is None else min(target, self.cap)
 
     def compression(self, n_seen: int) -> float:
         """Tokens seen per cell kept (1.0 for the full cache; auto: unknown before it runs, also 1.0)."""
@@ -71,8 +90,21 @@ class Budget:
         if self.mode == "cells":
             return f"{int(self.value)} cells"
         if self.mode == "ratio":
-            return f"{100 * self.value:g}%"
+            return f"{100 * self.value:g}%" + (f" (at most {self.cap} cells)" if self.cap is not None else "")
+        if self.mode == "bytes":
+            return format_bytes(int(self.value))
         return "auto" if self.mode == "auto" else "full cache"
+
+
+BYTE_UNITS = {"GiB": 1024**3, "MiB": 1024**2, "KiB": 1024, "B": 1}  # largest first; "B" ends them all: last
+
+
+def format_bytes(n: int) -> str:
+    """'16 MiB', '1.5 GiB', '1000 B': the largest unit that spells ``n`` exactly (Budget.parse reads it back)."""
+    for unit, size in BYTE_UNITS.items():
+        if n >= size and float(f"{n / size:g}") * size == n:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
 
 
 NO_EVICTION = Budget("none")  # the full cache: every position is kept
@@ -97,6 +129,90 @@ def cells_for(budget: Budget, chunk: int, longest: int, room: int = 0) -> int:
     if budget.mode == "cells":
         return int(budget.value) + chunk + 1 + room
     return longest + room
+
+
+LayerBudgets = Literal["shared", "natural"]
+LAYER_BUDGETS: tuple[str, ...] = ("shared", "natural")
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What laying out a budget needs to know of a model's KV caches (``Engine.cache_layout``): the K+V bytes
+    of one cell of each cache, over every layer that reads it, and the sliding window (0: one cache)."""
+
+    base_bytes: int  # one cell of the full-attention cache, all its layers
+    sliding_bytes: int = 0  # one cell of the sliding-window cache, all its layers (0: the model has none)
+    window: int = 0  # positions a sliding-window layer sees
+
+    def bytes(self, cache_cells: tuple[int, int]) -> int:
+        """Allocated K+V bytes of caches of these sizes (base, sliding)."""
+        return cache_cells[0] * self.base_bytes + cache_cells[1] * self.sliding_bytes
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """A budget laid out on a model: the budget each layer group holds (the base or shared group first, then
+    the sliding group under ``natural``) and the cells of each cache, (base, sliding); 0 for a cache the
+    model does not have."""
+
+    layer_budgets: str
+    groups: tuple[Budget, ...]
+    cache_cells: tuple[int, int]
+
+
+def allocate(
+    budget: Budget,
+    layout: CacheLayout,
+    layer_budgets: str = "shared",
+    chunk: int = 64,
+    longest: int = 0,
+    room: int = 0,
+    every: int = 1,
+) -> Allocation:
+    """Lay ``budget`` out on the layer groups and caches of a model read ``chunk`` tokens at a time, at most
+    ``longest`` long, with ``room`` for a guided reading and an eviction every ``every`` steps.
+
+    ``shared``: one group over every layer, one cell count for every cache (a position is evicted from all
+    of them at once: the single pool). ``natural`` (a model with a sliding-window cache; with one cache it is
+    ``shared``): one group per cache. The sliding group never holds more than its window plus the positions
+    that leave it between two evictions (window + every - 1), nor more than the full-attention group.
+
+    A cell or ratio budget is what the full-attention group holds (cells of a full-attention layer); the
+    sliding group holds as much, up to its window. A byte budget is the allocated K+V bytes of every layer,
+    each cache sized by ``cells_for`` (a group's cells + one chunk + the newest token + ``room``): ``shared``
+    gives every cache the most cells the bytes allow; ``natural`` gives the sliding cache
+    min(window + every - 1 + chunk + 1 + room, that shared count) and the full-attention cache the rest."""
+    if layer_budgets not in LAYER_BUDGETS:
+        raise AhakvError(f"layer budgets must be {' or '.join(LAYER_BUDGETS)}, not {layer_budgets!r}")
+    two = layout.sliding_bytes > 0
+    natural = two and layout.window > 0 and layer_budgets == "natural"
+    extra = chunk + 1 + room  # what cells_for adds to the cells a group holds
+    window = layout.window + every - 1
+    if budget.mode == "bytes":
+        total = int(budget.value)
+        shared = total // (layout.base_bytes + layout.sliding_bytes)
+        sliding = min(window + extra, shared) if natural else shared
+        base = (total - sliding * layout.sliding_bytes) // layout.base_bytes if natural else shared
+        if min(base, sliding) <= extra:
+            raise AhakvError(
+                f"budget {budget} allocates {shared} cells per layer: not enough for a prompt chunk of {chunk}, "
+                f"the newest token{' and a guided reading' if room else ''} ({extra} cells) and one kept"
+            )
+        groups = (Budget("cells", base - extra),) + ((Budget("cells", sliding - extra),) if natural else ())
+        return Allocation(layer_budgets, groups, (base, sliding if two else 0))
+    base = max(chunk, cells_for(budget, chunk, longest, room))  # a cache holds one chunk at least
+    if not natural:
+        return Allocation(layer_budgets, (budget,), (base, base if two else 0))
+    if budget.mode == "cells":
+        held = Budget("cells", min(int(budget.value), window))
+    elif budget.mode == "ratio":
+        held = Budget("ratio", budget.value, cap=window)
+    else:  # auto: its window; none: nothing evicted (llama.cpp drops what leaves the window itself)
+        held = Budget("cells", window) if budget.evicts else budget
+    sliding = min(
+        max(chunk, cells_for(held if held.mode == "cells" else Budget("cells", window), chunk, longest, room)), base
+    )
+    return Allocation(layer_budgets, (budget, held), (base, sliding))
 
 
 def default_evict_every(budget: Budget, n_sink: int = 4, n_recent: int = 32) -> int:

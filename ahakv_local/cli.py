@@ -77,7 +77,17 @@ def engine_options(f):
             "--budget",
             default=None,
             envvar="AHAKV_BUDGET",
-            help="KV budget: cells (512), a ratio of the tokens seen (0.25 or 25%), or auto.",
+            help="KV budget: cells of a full-attention layer (512), a ratio of the tokens seen (0.25 or 25%), "
+            "auto, or allocated KV bytes over every layer (16MiB).",
+        ),
+        click.option(
+            "--layer-budgets",
+            type=click.Choice(["shared", "natural"]),
+            default="shared",
+            show_default=True,
+            envvar="AHAKV_LAYER_BUDGETS",
+            help="How the budget is laid out on the layers: one pool for every layer, or one group per KV cache "
+            "(sliding-window models: the sliding layers keep their window, the full-attention layers the rest).",
         ),
         click.option("--policy", cls=PolicyOption, default="ahakv", show_default=True, envvar="AHAKV_POLICY"),
         click.option(
@@ -164,7 +174,7 @@ def utf8(data: bytes, where: str) -> str:
 
 def load_llama(
     model, ctx_size, budget, policy, sinks, recent, error_tol, evict_every, observe_steps, threads, n_gpu_layers,
-    batch_size, reading="query", **extra,
+    batch_size, reading="query", layer_budgets="shared", **extra,
 ):  # fmt: skip
     """Resolve, check and load a model as an ahakv_local.Llama; every user mistake is an AhakvError."""
     from .budget import Budget, parse_schedule
@@ -203,6 +213,7 @@ def load_llama(
             kv_evict_every=evict_every,
             kv_observe_steps=observe_steps,
             kv_query={"query": True, "plain": False}.get(reading, reading),
+            kv_layer_budgets=layer_budgets,
             **extra,
         )
     except ValueError as exc:
@@ -275,7 +286,8 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
         click.echo(
             f"prompt {s.prompt_tokens} tok at {s.prompt_tps:.1f} t/s | generated {s.sampled_tokens} tok at "
             f"{s.generation_tps:.1f} t/s | cache {s.cells_used}/{budget} cells ({s.kv_cells} allocated, "
-            f"{s.kv_bytes / 2**20:.1f} MiB KV) | seen {s.tokens_seen} | evicted {s.evicted}",
+            f"{s.kv_bytes / 2**20:.1f} MiB KV) | seen {s.tokens_seen} | evicted {s.evicted}"
+            + "".join(f" | {g} {u / 2**20:.2f}/{a / 2**20:.2f} MiB" for g, (a, u) in s.kv_group_bytes.items()),
             err=True,
         )
 

@@ -12,6 +12,11 @@ over query rows still gets the others, summed by the tap in the graph (cheap) an
 Bookkeeping is by position (``live``, ascending); it always equals the engine's cell map.
 A long prompt is decoded in chunks of n_ubatch and compressed after each, so it never needs more
 than budget + one chunk of cells.
+
+The layers are split into groups (groups.py, ``ControllerConfig.layer_budgets``): ``shared``, one group
+evicting from every cache at once, or ``natural``, one per cache (a sliding-window model's full-attention
+and sliding-window layers), each with its own live positions, policy instance and budget
+(``budget.allocate``). ``live`` is the first group's: the full-attention layers' (or every layer's).
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .budget import Budget, cells_for
+from .budget import Allocation, Budget, LayerBudgets, allocate, cells_for
 from .engine import Engine
 from .errors import AhakvError
+from .groups import LayerGroup, make_groups
 from .native import TapFlag
 from .policies import Observation, Policy
 from .policies.base import unit_mean
@@ -54,6 +60,9 @@ class ControllerConfig:
     # steps between run the plain graph, or - for a policy whose score sums over query rows - the
     # graph plus the model-softmax tap, summed natively and handed over as one block
     observe_steps: int | None = None
+    # how the budget is laid out on the layers: one pool for every layer, or one group per cache
+    layer_budgets: LayerBudgets = "shared"
+    room: int = 0  # cells the session allocated for a guided reading on top (a byte budget leaves them free)
 
     def __post_init__(self) -> None:
         if self.evict_every < 1 or (self.observe_steps is not None and self.observe_steps < 1):
@@ -82,17 +91,45 @@ class KVController:
     """Drives an Engine for one sequence, evicting with ``policy`` to hold ``config.budget``."""
 
     def __init__(self, engine: Engine, policy: Policy, config: ControllerConfig):
-        self.engine, self.policy, self.config = engine, policy, config
+        self.engine, self.config = engine, config
         self.check_budget(config.budget, policy)
+        self.groups: list[LayerGroup] = make_groups(engine, policy, self.allocation(config.budget))
         if engine.config.flash_attn and self._flags(0) & TapFlag.ATTN:
             raise AhakvError(f"policy {policy.name} reads the model's softmax: turn flash attention off")
-        self.live = engine.live_positions().astype(np.int64)
         self.stats = ControllerStats(cells_used=self.live.size, tokens_seen=engine.n_past)
         self.step_count = 0
         self._tap: tuple[TapFlag, int] | None = None
-        self._obs: Observation | None = None
         self._pending = 0  # decode steps whose attention the tap has summed but nobody has read yet
-        self._best = np.zeros(0)  # Reconstruct: each position's best reconstruction score so far
+
+    @property
+    def live(self) -> np.ndarray:
+        """The live positions of the first group: the full-attention layers' (shared: every layer's)."""
+        return self.groups[0].live
+
+    @property
+    def policy(self) -> Policy:
+        """The first group's policy (every group has an instance with the same settings)."""
+        return self.groups[0].policy
+
+    def group(self, name: str) -> LayerGroup:
+        """A group by name: "shared", or "base" and "sliding" (natural)."""
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"no {name} group: this controller has {', '.join(g.name for g in self.groups)}")
+
+    def group_bytes(self) -> dict[str, tuple[int, int]]:
+        """Each group's (allocated, used) K+V bytes, by name: its cache's (the shared group: every cache's)."""
+        return {g.name: (g.allocated_bytes(self.engine), g.used_bytes(self.engine)) for g in self.groups}
+
+    def allocation(self, budget: Budget) -> Allocation:
+        """``budget`` laid out on this engine's layer groups (``budget.allocate``; a byte budget counts every
+        layer's K+V bytes and may be refused as too small)."""
+        every = self.config.evict_every
+        e = self.engine
+        return allocate(
+            budget, e.cache_layout(), self.config.layer_budgets, e.config.n_ubatch, 0, self.config.room, every
+        )
 
     # -- decoding ------------------------------------------------------------------------------------
 
@@ -129,19 +166,23 @@ class KVController:
             self.evict(self.read_query(query) if guided else None)
         return np.concatenate(rows) if all_logits else rows[-1]
 
-    def _reconstruction_scores(self, query: list[int]) -> np.ndarray:
-        """Score this pass, remember each position's best (scaled to mean 1 per pass), return the best."""
-        scores = unit_mean(self.read_query(query))
-        end = int(self.live[-1]) + 1 if self.live.size else 0
-        if self._best.size < end:
-            self._best = np.concatenate([self._best, np.zeros(max(end - self._best.size, self._best.size))])
-        self._best[self.live] = np.maximum(self._best[self.live], scores)
-        return self._best[self.live]
+    def _reconstruction_scores(self, query: list[int]) -> list[np.ndarray]:
+        """Score this pass, remember each position's best (scaled to mean 1 per pass) in every group, return
+        the best of each group's live positions."""
+        out = []
+        for g, scores in zip(self.groups, self.read_query(query), strict=True):
+            scores = unit_mean(scores)
+            end = int(g.live[-1]) + 1 if g.live.size else 0
+            if g.best.size < end:
+                g.best = np.concatenate([g.best, np.zeros(max(end - g.best.size, g.best.size))])
+            g.best[g.live] = np.maximum(g.best[g.live], scores)
+            out.append(g.best[g.live])
+        return out
 
-    def read_query(self, query: Sequence[int]) -> np.ndarray:
-        """Decode ``query`` behind the live positions, return the policy's query score of each (aligned with
-        ``live``), and remove the query again: its cells, its statistics, and its positions, which the next
-        tokens reuse. The policy's running state never sees it."""
+    def read_query(self, query: Sequence[int]) -> list[np.ndarray]:
+        """Decode ``query`` behind the live positions, return each group's policy's query score of its live
+        positions (one array per group, aligned with its ``live``), and remove the query again: its cells,
+        its statistics, and its positions, which the next tokens reuse. No policy's running state sees it."""
         e = self.engine
         start = e.n_past
         flags = self.policy.query_flags
@@ -149,40 +190,54 @@ class KVController:
             flags |= TapFlag.ATTN
         self._set_tap(flags, 0)  # every row of the query
         if flags & TapFlag.SIDE:
-            target = self.config.budget.target(e.n_past) or self.live.size
+            target = self.groups[0].budget.target(e.n_past) or self.live.size
             e.set_side_scale(self.policy.side_scale(e.n_past, target))
         e.reset_stats()
         try:
             e.decode(list(query))
-            seen = np.concatenate([self.live, np.arange(start, e.n_past, dtype=np.int64)])
-            stats = e.aligned(seen, flags)
-            obs = Observation(
-                positions=seen,
-                n_seen=e.n_past,
-                n_rows=e.stat_rows,
-                budget=self.config.budget.target(start) or self.live.size,
-                visible=stats.visible,
-                attn=stats.values.get(TapFlag.ATTN),
-                side=stats.values.get(TapFlag.SIDE),
-                verr=stats.values.get(TapFlag.VERR),
-                vnorm=stats.values.get(TapFlag.VNORM),
-            )
-            return self.policy.query_score(obs)[: self.live.size]
+            scores = []
+            for g in self.groups:
+                seen = np.concatenate([g.live, np.arange(start, e.n_past, dtype=np.int64)])
+                stats = e.aligned(seen, flags, g.layers)
+                obs = Observation(
+                    positions=seen,
+                    n_seen=e.n_past,
+                    n_rows=e.stat_rows,
+                    budget=g.budget.target(start) or g.live.size,
+                    visible=stats.visible,
+                    attn=stats.values.get(TapFlag.ATTN),
+                    side=stats.values.get(TapFlag.SIDE),
+                    verr=stats.values.get(TapFlag.VERR),
+                    vnorm=stats.values.get(TapFlag.VNORM),
+                )
+                scores.append(g.policy.query_score(obs)[: g.live.size])
         finally:
             e.truncate(start)  # the query's cells go; llama.cpp needs the next token at seq_pos_max + 1
             e.reset_stats()
+        for i, g in enumerate(self.groups):
+            if g.window:  # llama.cpp may have given the query cells of positions that left the window
+                now = g.read_live(e)
+                if now.size != g.live.size:
+                    scores[i] = scores[i][np.isin(g.live, now)]
+                    g.live = now
+        return scores
 
     def _has_room(self, n: int) -> bool:
-        """Whether ``n`` more tokens fit the allocated cells now (a budget raised past the room the session
-        was sized with reads that chunk unguided instead of failing)."""
-        return self.engine.n_used() + n <= self.engine.n_ctx
+        """Whether ``n`` more tokens fit the allocated cells of every group now (a budget raised past the room
+        the session was sized with reads that chunk unguided instead of failing)."""
+        return all(g.has_room(self.engine, n) for g in self.groups)
 
     def _over_budget(self) -> bool:
         """Whether an eviction now would remove anything (cell and ratio budgets; auto decides for itself)."""
-        target = self.config.budget.target(self.engine.n_past)
-        if target is None:
-            return self.config.budget.mode == "auto"
-        return self.live.size > max(1, target - (self.config.evict_every - 1))
+        n_seen = self.engine.n_past
+        for g in self.groups:
+            target = g.budget.target(n_seen)
+            if target is None:
+                if g.budget.mode == "auto":
+                    return True
+            elif g.live.size > max(1, target - (self.config.evict_every - 1)) or g.outside_window(n_seen).any():
+                return True
+        return False
 
     def step(self, token: int) -> np.ndarray:
         """Decode one generated token; evict every ``evict_every`` positions.
@@ -199,53 +254,81 @@ class KVController:
         return logits
 
     def check_floor(self, budget: Budget) -> None:
-        """Refuse a cell budget that cannot hold the protected positions and the steps between evictions."""
+        """Refuse a budget that leaves a group too few cells for the protected positions and the steps between
+        evictions (a sliding group: for those inside its window)."""
         cfg = self.config
-        if budget.mode == "cells" and budget.value < cfg.n_sink + cfg.n_recent + cfg.evict_every:
-            room = "newest" if cfg.evict_every == 1 else "one eviction period"
-            parts = f"{cfg.n_sink} + {cfg.n_recent} + {cfg.evict_every}"
-            raise AhakvError(f"budget {int(budget.value)} is smaller than sinks + recent + {room} ({parts})")
+        room = "newest" if cfg.evict_every == 1 else "one eviction period"
+        parts = f"{cfg.n_sink} + {cfg.n_recent} + {cfg.evict_every}"
+        layout = self.engine.cache_layout()
+        for i, held in enumerate(self.allocation(budget).groups):
+            window = layout.window if i else 0  # a second group is the sliding one
+            need = min(cfg.n_sink + cfg.n_recent + 1, window or np.inf) + cfg.evict_every - 1
+            if held.mode != "cells" or held.value >= need:
+                continue
+            if budget.mode == "cells" and not window:
+                raise AhakvError(f"budget {int(budget.value)} is smaller than sinks + recent + {room} ({parts})")
+            where = "sliding-window layers (inside their window)" if window else "full-attention layers"
+            raise AhakvError(
+                f"budget {budget} keeps {int(held.value)} cells of the {where}: fewer than sinks + recent + {room} "
+                f"({parts})"
+            )
 
     def check_budget(self, budget: Budget, policy: Policy | None = None) -> None:
         """Every check a budget must pass before it is used with ``policy`` (default: the current one):
-        the floor, the allocated cells, and an error model for 'auto'. Raises AhakvError; changes nothing."""
+        the layout on the layer groups, the floor, the allocated cells, and an error model for 'auto'.
+        Raises AhakvError; changes nothing."""
         policy = policy or self.policy
         if policy.evicts and not budget.evicts:
             raise AhakvError(f"policy {policy.name} evicts: give it a budget (the full cache keeps everything)")
         self.check_floor(budget)
         if budget.mode == "auto" and not policy.supports_auto_budget:
             raise AhakvError(f"an auto budget needs a policy with an error model (ahakv), not {policy.name}")
-        if policy.evicts and not self.fits(budget):
+        if policy.evicts and (short := self._short_cache(budget)) is not None:
+            label = int(budget.value) if budget.mode == "cells" else budget
             raise AhakvError(
-                f"budget {int(budget.value)} does not fit the {self.engine.n_ctx} allocated cells with a prompt "
-                f"chunk of {self.engine.config.n_ubatch}"
+                f"budget {label} does not fit the {short} allocated cells with a prompt chunk of "
+                f"{self.engine.config.n_ubatch}"
             )
 
     def set_budget(self, budget: Budget) -> int:
         """Check, apply and enforce a new budget now; returns how many positions were evicted."""
         self.check_budget(budget)
         self.config.budget = budget
+        for g, held in zip(self.groups, self.allocation(budget).groups, strict=True):
+            g.budget = held
         return self.evict()
 
     def fits(self, budget: Budget) -> bool:
-        """Whether the allocated cells hold this budget plus one prompt chunk and the newest token."""
-        return budget.mode != "cells" or self.engine.n_ctx >= cells_for(budget, self.engine.config.n_ubatch, 0)
+        """Whether the allocated cells of every cache hold its group's budget plus one prompt chunk and the
+        newest token."""
+        return self._short_cache(budget) is None
+
+    def _short_cache(self, budget: Budget) -> int | None:
+        """The cells of the first cache too small for its group's share of ``budget`` (None: they all fit)."""
+        e = self.engine
+        layers = [None] if len(self.allocation(budget).groups) == 1 else [e.layer_cache.index(c) for c in e.caches]
+        for held, layer in zip(self.allocation(budget).groups, layers, strict=True):
+            if held.mode == "cells" and e.n_cells(layer) < cells_for(held, e.config.n_ubatch, 0):
+                return e.n_cells(layer)
+        return None
 
     def set_policy(self, policy: Policy) -> None:
         """Switch policies; the new one learns from the next decode on (its statistics are tapped then).
         A policy the current budget cannot work with (an 'auto' budget without an error model) is refused."""
         self.check_budget(self.config.budget, policy)
-        self.policy = policy
+        for i, g in enumerate(self.groups):
+            g.policy = policy if i == 0 else policy.fresh()
+            g.obs = None
         self._tap = None
-        self._obs = None
         self._pending = 0
 
     def resync(self) -> None:
         """Take the live set from the engine after its cache was replaced (a state load): the cells
         moved, the positions did not; what the policy learned no longer matches, so it starts over."""
-        self.live = self.engine.live_positions().astype(np.int64)
-        self.policy.truncate(0)
-        self._obs = None
+        for g in self.groups:
+            g.live = g.read_live(self.engine)
+            g.policy.truncate(0)
+            g.obs = None
         self._pending = 0
         self.stats.cells_used = self.live.size
         self.stats.tokens_seen = self.engine.n_past
@@ -255,12 +338,15 @@ class KVController:
         if n < self.engine.n_past:
             self.engine.truncate(n)
         self.engine.n_past = n
-        self.live = self.live[self.live < n]
-        # from the start: a fresh policy (same settings), so a replay meets exactly the same decisions
-        self.policy = self.policy.fresh() if n == 0 else self.policy
-        self.policy.truncate(n)
-        self._best[n:] = 0.0
-        self._obs = None
+        for g in self.groups:
+            g.live = g.live[g.live < n]
+            # from the start: a fresh policy (same settings), so a replay meets exactly the same decisions
+            g.policy = g.policy.fresh() if n == 0 else g.policy
+            g.policy.truncate(n)
+            g.best[n:] = 0.0
+            g.obs = None
+            if n == 0:
+                g.decided = None
         self._pending = 0  # the summed rows may include forgotten positions' queries: drop them
         self.stats.tokens_seen = n
         self.stats.cells_used = self.live.size
@@ -292,18 +378,21 @@ class KVController:
             self._observe_block()
         self._set_tap(flags, window)
         if flags & TapFlag.SIDE:
-            target = self.config.budget.target(e.n_past + len(tokens)) or self.stats.budget or len(tokens)
+            target = self.groups[0].budget.target(e.n_past + len(tokens)) or self.stats.budget or len(tokens)
             e.set_side_scale(self.policy.side_scale(e.n_past + len(tokens), target))
         if observe or (flags & TapFlag.ATTN and not self._pending):  # a new observation or a new block
             e.reset_stats()
         start = e.n_past
         logits = e.decode(tokens, all_logits)
-        self.live = np.concatenate([self.live, np.arange(start, e.n_past, dtype=np.int64)])
-        if observe:
-            self._obs = self._observe(flags)
-            if flags:
-                self.policy.observe(self._obs)
-        elif flags & TapFlag.ATTN:
+        for g in self.groups:
+            # a sliding cache may have handed cells of positions that left its window to the new tokens
+            new = np.arange(start, e.n_past, dtype=np.int64)
+            g.live = g.read_live(e) if g.window else np.concatenate([g.live, new])
+            if observe:
+                g.obs = self._observe(g, flags)
+                if flags:
+                    g.policy.observe(g.obs)
+        if not observe and flags & TapFlag.ATTN:
             self._pending += 1
         self.stats.tokens_seen = e.n_past
         self.stats.cells_used = self.live.size
@@ -315,22 +404,24 @@ class KVController:
             self._tap = (flags, window)
 
     def _observe_block(self) -> None:
-        """Hand the policy the attention the tap summed over the unobserved steps, as one observation."""
-        self.policy.observe(self._observe(self._tap[0]))
+        """Hand each policy the attention the tap summed over the unobserved steps, as one observation."""
+        for g in self.groups:
+            g.policy.observe(self._observe(g, self._tap[0]))
         self._pending = 0
 
-    def _observe(self, flags: TapFlag) -> Observation:
-        """The tapped statistics of every layer, aligned with ``live`` (the engine maps cells to positions)."""
+    def _observe(self, g: LayerGroup, flags: TapFlag) -> Observation:
+        """The tapped statistics of the group's layers, aligned with its ``live`` (the engine maps cells to
+        positions)."""
         e = self.engine
         if flags & TapFlag.VERR:
             flags |= TapFlag.VNORM  # the error model divides by the value norms
-        stats = e.aligned(self.live, flags)
-        target = self.config.budget.target(e.n_past)
+        stats = e.aligned(g.live, flags, g.layers)
+        target = g.budget.target(e.n_past)
         return Observation(
-            positions=self.live,
+            positions=g.live,
             n_seen=e.n_past,
             n_rows=e.stat_rows,
-            budget=target if target is not None else (self.stats.budget or self.live.size),
+            budget=target if target is not None else (g.decided or g.live.size),
             visible=stats.visible,
             attn=stats.values.get(TapFlag.ATTN),
             side=stats.values.get(TapFlag.SIDE),
@@ -340,43 +431,44 @@ class KVController:
 
     # -- eviction ------------------------------------------------------------------------------------
 
-    def protected(self) -> np.ndarray:
-        """bool [n]: positions the controller never evicts."""
-        pos, cfg = self.live, self.config
-        keep = pos < cfg.n_sink
-        keep[max(0, pos.size - cfg.n_recent) :] = True
-        if pos.size:
-            keep[-1] = True  # the newest position: the next batch starts after it
-        if cfg.pinned is not None:
-            keep |= (pos >= cfg.pinned[0]) & (pos < cfg.pinned[1])
-        return keep
-
-    def evict(self, query_scores: np.ndarray | None = None) -> int:
-        """Evict down to the budget now; returns how many positions went. ``query_scores`` (aligned with
-        ``live``, from ``read_query``) join the policy's own score (``Policy.with_query``)."""
+    def evict(self, query_scores: Sequence[np.ndarray] | None = None) -> int:
+        """Evict every group down to its budget now; returns how many positions went (over all groups).
+        ``query_scores`` (one array per group, aligned with its ``live``, from ``read_query``) join each
+        policy's own score (``Policy.with_query``)."""
         if not self.policy.evicts or not self.config.budget.evicts or self._tap is None:
             return 0
-        if self._obs is None or self._obs.positions is not self.live:
+        scores = query_scores if query_scores is not None else [None] * len(self.groups)
+        return sum(self._evict(g, q) for g, q in zip(self.groups, scores, strict=True))
+
+    def _evict(self, g: LayerGroup, query_scores: np.ndarray | None) -> int:
+        if g.obs is None or g.obs.positions is not g.live:
             # the live set changed since the last decode (an eviction, a new budget): re-read the
             # accumulated statistics for it; the policy has already observed them
-            self._obs = self._observe(self._tap[0])
-        obs, budget = self._obs, self.config.budget
+            g.obs = self._observe(g, self._tap[0])
+        obs, budget = g.obs, g.budget
         if budget.mode == "auto" and (obs.verr is None or obs.vnorm is None):
             return 0  # the error model decides at the next observed step (the budget just became auto)
-        n = self.live.size
-        candidates = np.flatnonzero(~self.protected())
-        scores = self.policy.score(obs)
+        n = g.live.size
+        gone = g.outside_window(obs.n_seen)  # no layer of the group sees these again: they go first
+        cfg = self.config
+        candidates = np.flatnonzero(~g.protected(cfg.n_sink, cfg.n_recent, cfg.pinned) | gone)
+        scores = g.policy.score(obs)
         if query_scores is not None:
-            scores = self.policy.with_query(scores, query_scores)
+            scores = g.policy.with_query(scores, query_scores)
+        if gone.any():
+            scores = np.where(gone, -np.inf, scores)
         scores = scores[candidates]
-        order = candidates[np.lexsort((self.live[candidates], scores))]  # lowest score first, then oldest
+        order = candidates[np.lexsort((g.live[candidates], scores))]  # lowest score first, then oldest
         if budget.mode == "auto":
-            k = self._auto_count(obs, order)
-            self.stats.budget = n - k
+            k = self._auto_count(g, obs, order)
+            g.decided = n - k
         else:
-            self.stats.budget = budget.target(obs.n_seen)
-            keep = max(1, self.stats.budget - (self.config.evict_every - 1))  # room for the steps to come
+            g.decided = budget.target(obs.n_seen)
+            keep = max(1, g.decided - (self.config.evict_every - 1))  # room for the steps to come
             k = min(max(0, n - keep), order.size)
+        k = max(k, int(np.count_nonzero(gone)))
+        if g is self.groups[0]:
+            self.stats.budget = g.decided
         if k == 0:
             return 0
         victims = np.sort(order[:k])
@@ -384,22 +476,38 @@ class KVController:
             kept = np.ones(n, dtype=bool)
             kept[victims] = False
             total = np.maximum(obs.attn.sum(axis=2), 1e-12)
-            self.stats.retained_mass = (obs.attn[:, :, kept].sum(axis=2) / total).mean(axis=1).tolist()
-        self.engine.evict(self.live[victims])
-        self.live = np.delete(self.live, victims)
+            mass = (obs.attn[:, :, kept].sum(axis=2) / total).mean(axis=1)
+            self._record_mass(g, mass)
+        if g.cache is None:
+            self.engine.evict(g.live[victims])
+        else:
+            self.engine.evict(g.live[victims], g.cache)
+        g.live = np.delete(g.live, victims)
+        g.obs = None
+        g.evicted += k
         self.stats.evicted += k
         self.stats.evictions += 1
         self.stats.cells_used = self.live.size
         return k
 
-    def _auto_count(self, obs: Observation, order: np.ndarray) -> int:
+    def _record_mass(self, g: LayerGroup, mass: np.ndarray) -> None:
+        """The retained mass of the group's layers at its last eviction, in the per-layer statistic."""
+        if g.layers is None:
+            self.stats.retained_mass = mass.tolist()
+            return
+        per_layer = self.stats.retained_mass or [1.0] * self.engine.n_layer
+        for il, m in zip(g.layers, mass, strict=True):
+            per_layer[int(il)] = float(m)
+        self.stats.retained_mass = per_layer
+
+    def _auto_count(self, g: LayerGroup, obs: Observation, order: np.ndarray) -> int:
         """Auto budget: evict the most low-scored tokens whose predicted relative output change stays
         under the tolerance, keeping between min_ratio and max_ratio of the tokens seen."""
-        b, n = self.config.budget, self.live.size
+        b, n = g.budget, g.live.size
         k_max = min(order.size, max(0, n - math.ceil(b.min_ratio * obs.n_seen)))
         k_min = min(k_max, max(0, n - math.floor(b.max_ratio * obs.n_seen)))
         if k_max == 0:
             return 0
-        errors = self.policy.predicted_error(obs, order[:k_max])
+        errors = g.policy.predicted_error(obs, order[:k_max])
         k = int(np.searchsorted(errors, b.error_tol, side="right"))  # errors grow with k
         return max(k_min, min(k, k_max))

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import upstream
+from .budget import CacheLayout
 from .errors import AhakvError
 from .info import check_architecture
 from .native import EvictError, TapFlag, lib
@@ -308,6 +309,13 @@ class Engine:
             return int(self.native.kv_bytes(self.ctx))
         return int(self.native.kv_bytes_cache(self.ctx, int(cache)))
 
+    def cache_layout(self) -> CacheLayout:
+        """What laying out a budget needs (``budget.allocate``): the K+V bytes of one cell of each cache over all
+        its layers (kv_bytes(cache) / its cells) and the sliding window (0 where the model has one cache)."""
+        per_cell = {c: self.kv_bytes(c) // max(1, self.cache_cells(c)) for c in self.caches}
+        sliding = per_cell.get(LayerCache.SLIDING, 0)
+        return CacheLayout(per_cell.get(LayerCache.BASE, 0), sliding, self.n_swa if sliding else 0)
+
     def cell_positions(self, layer: int | None = None) -> np.ndarray:
         """int32 [n_cells]: the position each cell holds, -1 for an empty cell (default: base cache)."""
         layer = self.base_layer if layer is None else layer
@@ -393,13 +401,16 @@ class Engine:
         positions, cells = self._live_cells(layer)
         return LayerStat(positions, self.stat_by_cell(kind, layer)[:, cells])
 
-    def aligned(self, live: np.ndarray, flags: TapFlag) -> Aligned:
-        """The statistics of ``flags`` for every layer, aligned with ``live`` (ascending positions that
-        the caches hold): one cell-map read per cache, one native read per layer and kind."""
+    def aligned(self, live: np.ndarray, flags: TapFlag, layers: Sequence[int] | None = None) -> Aligned:
+        """The statistics of ``flags`` for every layer (or for ``layers``, in that order), aligned with ``live``
+        (ascending positions; every position the caches of those layers hold must be in it): one cell-map
+        read per cache, one native read per layer and kind."""
         n = live.size
         newest = self.n_past - 1
+        layers = range(self.n_layer) if layers is None else [int(il) for il in layers]
+        caches = [self.layer_cache[il] for il in layers]
         where: dict[LayerCache, tuple[np.ndarray, np.ndarray]] = {}  # cache -> (index into live, cell)
-        for il, cache in enumerate(self.layer_cache):
+        for il, cache in zip(layers, caches, strict=True):
             if cache is LayerCache.NONE or cache in where:
                 continue
             positions, cells = self._live_cells(il)
@@ -407,19 +418,19 @@ class Engine:
             if cache is LayerCache.SLIDING and self.n_swa > 0:  # the window sees the last n_swa positions
                 seen = newest - positions < self.n_swa
             where[cache] = (np.searchsorted(live, positions[seen]), cells[seen])
-        visible = np.zeros((self.n_layer, n), dtype=bool)
-        for il, cache in enumerate(self.layer_cache):
+        visible = np.zeros((len(layers), n), dtype=bool)
+        for i, cache in enumerate(caches):
             if cache is not LayerCache.NONE:
-                visible[il, where[cache][0]] = True
+                visible[i, where[cache][0]] = True
         values = {}
         for flag, kind in STAT_KINDS.items():
             if not flags & flag:
                 continue
-            out = np.zeros((self.n_layer, self.n_head_kv if flag is TapFlag.VNORM else self.n_head, n), np.float32)
-            for il, cache in enumerate(self.layer_cache):
+            out = np.zeros((len(layers), self.n_head_kv if flag is TapFlag.VNORM else self.n_head, n), np.float32)
+            for i, (il, cache) in enumerate(zip(layers, caches, strict=True)):
                 if cache is not LayerCache.NONE:
                     idx, cells = where[cache]
-                    out[il][:, idx] = self.stat_by_cell(kind, il)[:, cells]
+                    out[i][:, idx] = self.stat_by_cell(kind, il)[:, cells]
             values[flag] = out
         return Aligned(visible, values)
 

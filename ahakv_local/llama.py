@@ -24,19 +24,19 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
 
-from . import upstream
+from . import native, upstream
 from .budget import QUERY_TOKENS, Budget, cells_for, guide_room
 from .controller import ControllerStats, KVController
 from .engine import Engine
 from .errors import AhakvError
 from .info import read_info
-from .session import SessionSpec, guide
+from .session import SessionSpec, guide, model_layout
 
 
 class Stopped(Exception):
@@ -107,6 +107,8 @@ class KVStats:
     generated_tokens: int  # decoded one at a time (the generation speed's basis)
     generation_tps: float
     sampled_tokens: int = 0  # tokens sampled since the timings were reset (a completion's length, end of turn included)
+    # by layer group ("shared", or "base" and "sliding"): [allocated, used] K+V bytes
+    kv_group_bytes: dict[str, list[int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -129,6 +131,7 @@ class Llama(llama_cpp.Llama):
         kv_pinned: tuple[int, int] | None = None,
         kv_reuse_compressed: bool = False,
         kv_query: bool | str = True,
+        kv_layer_budgets: str = "shared",
         n_ctx: int = 512,
         n_batch: int = 512,
         **kwargs,
@@ -160,6 +163,8 @@ class Llama(llama_cpp.Llama):
             evict_every=kv_evict_every,
             observe_steps=kv_observe_steps,
             pinned=kv_pinned,
+            layer_budgets=kv_layer_budgets,
+            reading={True: "query", "reconstruct": "reconstruct"}.get(kv_query, "plain"),
         )
         if kwargs.get("logits_all"):
             raise AhakvError("logits_all keeps a row of logits per position; it cannot be combined with kv_budget")
@@ -169,8 +174,18 @@ class Llama(llama_cpp.Llama):
         reading = {True: "query", "reconstruct": "reconstruct"}.get(kv_query, "plain")
         room = guide_room(reading, kwargs.get("n_ubatch", n_batch)) if spec.make_policy().reads_with_query else 0
         cells = cells_for(budget, n_batch, n_ctx, room) if budget.mode == "cells" else n_ctx
+        if budget.mode == "bytes" or kv_layer_budgets != "shared":
+            # every cache sized exactly as the budget is laid out on the layer groups (budget.allocate)
+            chunk = min(kwargs.get("n_ubatch", 512), n_batch)
+            sizes = spec.allocation(model_layout(Path(model_path)), chunk, n_ctx).cache_cells
+            cells = sizes[0]
+            kwargs.setdefault("swa_full", not sizes[1])
+            native.lib().set_next_cache_cells(*sizes)  # consumed by the context llama_cpp.Llama creates next
         check_cells(model_path, cells, budget)
-        super().__init__(model_path, n_ctx=cells, n_batch=n_batch, **kwargs)
+        try:
+            super().__init__(model_path, n_ctx=cells, n_batch=n_batch, **kwargs)
+        finally:
+            native.lib().set_next_cache_cells(0, 0)
 
         engine = Engine.attach(self)
         self._kv_engine = engine
@@ -388,4 +403,5 @@ class Llama(llama_cpp.Llama):
             generated_tokens=t["gen_tokens"],
             generation_tps=t["gen_tokens"] / t["gen_s"] if t["gen_s"] else 0.0,
             sampled_tokens=t["sampled"],
+            kv_group_bytes={k: list(v) for k, v in self._kv.group_bytes().items()} if self._kv is not None else {},
         )

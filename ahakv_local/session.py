@@ -3,11 +3,13 @@
 ``SessionSpec`` is a named, configured (policy, budget, schedule), like kvpress's configured presses:
 evaluation configurations, the ``Llama`` drop-in, the passkey test and the benchmarks all describe
 what they want as one. ``spec.controller(engine)`` puts it on an engine somebody else owns (the
-drop-in's); ``open_session`` also opens the engine, with the cells ``budget.cells_for`` allots.
+drop-in's); ``open_session`` also opens the engine, each of its caches sized exactly as ``budget.allocate``
+lays the budget out on the model's layer groups (``layer_budgets``: one shared pool, or one per cache).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +17,17 @@ from typing import Literal
 
 import numpy as np
 
-from .budget import NO_EVICTION, Budget, cells_for, default_evict_every, guide_room
+from .budget import (
+    LAYER_BUDGETS,
+    NO_EVICTION,
+    Allocation,
+    Budget,
+    CacheLayout,
+    LayerBudgets,
+    allocate,
+    default_evict_every,
+    guide_room,
+)
 from .controller import ControllerConfig, KVController, Reconstruct
 from .engine import Engine, EngineConfig
 from .errors import AhakvError
@@ -43,6 +55,8 @@ class SessionSpec:
     # how a prompt longer than the budget is read: compressed by the policy alone, guided by the question,
     # or question-agnostic by reconstruction (policies that cannot be guided read plainly)
     reading: Reading = "plain"
+    # how the budget is laid out on the layers (budget.allocate): one pool for every layer, or one per cache
+    layer_budgets: LayerBudgets = "shared"
 
     def __post_init__(self) -> None:
         policy = self.make_policy()  # an unknown policy or parameter fails here, before any model loads
@@ -50,6 +64,8 @@ class SessionSpec:
             raise AhakvError(f"policy {self.policy} evicts: give it a budget (the full cache keeps everything)")
         if self.reading not in ("plain", "query", "reconstruct"):
             raise AhakvError(f"reading must be plain, query or reconstruct, not {self.reading!r}")
+        if self.layer_budgets not in LAYER_BUDGETS:
+            raise AhakvError(f"layer budgets must be {' or '.join(LAYER_BUDGETS)}, not {self.layer_budgets!r}")
 
     @classmethod
     def bounded(cls, policy: str, budget: Budget | str | int | float, **kw) -> SessionSpec:
@@ -64,20 +80,41 @@ class SessionSpec:
         except TypeError:  # a dataclass refusing a keyword
             raise AhakvError(f"unknown setting for policy {self.policy}: {', '.join(self.params)}") from None
 
-    def cells(self, chunk: int, longest: int) -> int:
-        """KV cells to allocate (the one rule, ``budget.cells_for``), with room for a guided reading."""
-        room = guide_room(self.reading, chunk) if self.make_policy().reads_with_query else 0
-        return cells_for(self.budget, chunk, longest, room)
+    def room(self, chunk: int) -> int:
+        """Cells a guided reading decodes behind a chunk (``budget.guide_room``; 0 for a plain one)."""
+        return guide_room(self.reading, chunk) if self.make_policy().reads_with_query else 0
 
-    def config(self) -> ControllerConfig:
-        every = self.evict_every or default_evict_every(self.budget, self.n_sink, self.n_recent)
+    def evict_every_on(self, layout: CacheLayout, chunk: int) -> int:
+        """The eviction period: the spec's, or the product's default for what the first group holds (a byte
+        budget: laid out first, with the longest default period)."""
+        if self.evict_every:
+            return self.evict_every
+        budget = self.budget
+        if budget.mode == "bytes":
+            budget = allocate(budget, layout, self.layer_budgets, chunk, 0, self.room(chunk), 32).groups[0]
+        return default_evict_every(budget, self.n_sink, self.n_recent)
+
+    def allocation(self, layout: CacheLayout, chunk: int, longest: int) -> Allocation:
+        """The budget laid out on a model (``budget.allocate``): what each layer group holds and the cells of
+        each cache, for a sequence of at most ``longest`` tokens read ``chunk`` at a time."""
+        every = self.evict_every_on(layout, chunk)
+        return allocate(self.budget, layout, self.layer_budgets, chunk, longest, self.room(chunk), every)
+
+    def config(self, layout: CacheLayout, chunk: int) -> ControllerConfig:
         return ControllerConfig(
-            self.budget, self.n_sink, self.n_recent, every, self.pinned, observe_steps=self.observe_steps
+            self.budget,
+            self.n_sink,
+            self.n_recent,
+            self.evict_every_on(layout, chunk),
+            self.pinned,
+            observe_steps=self.observe_steps,
+            layer_budgets=self.layer_budgets,
+            room=self.room(chunk),
         )
 
     def controller(self, engine: Engine) -> KVController:
         """A controller holding this spec's budget on ``engine`` (which the caller owns)."""
-        return KVController(engine, self.make_policy(), self.config())
+        return KVController(engine, self.make_policy(), self.config(engine.cache_layout(), engine.config.n_ubatch))
 
 
 class BoundedSession:
@@ -119,9 +156,18 @@ def guide(reading: Reading, question: Sequence[int] | None, engine: Engine) -> S
     return None
 
 
+@functools.lru_cache(maxsize=16)
+def model_layout(model: Path, type_k: str = "f16", type_v: str = "f16") -> CacheLayout:
+    """A model's cache layout (``Engine.cache_layout``), measured on a small context of its own."""
+    with Engine(model, EngineConfig(n_ctx=256, n_batch=64, n_ubatch=64, type_k=type_k, type_v=type_v)) as e:
+        return e.cache_layout()
+
+
 def open_session(model: str | Path, spec: SessionSpec, longest: int, n_ubatch: int = 64, **engine_kw) -> BoundedSession:
     """An engine for ``model`` sized for ``spec`` over a sequence of at most ``longest`` tokens read
-    ``n_ubatch`` at a time, with its controller."""
-    cells = spec.cells(n_ubatch, longest)
-    engine = Engine(model, EngineConfig(n_ctx=cells, n_batch=n_ubatch, n_ubatch=n_ubatch, **engine_kw))
-    return BoundedSession(spec, engine)
+    ``n_ubatch`` at a time, every cache exactly as ``spec.allocation`` says, with its controller."""
+    types = {k: engine_kw[k] for k in ("type_k", "type_v") if k in engine_kw}
+    cells = spec.allocation(model_layout(Path(model), **types), n_ubatch, longest).cache_cells
+    engine_kw.setdefault("swa_full", not cells[1])  # the sliding cache is sized exactly: no full-size copy
+    config = EngineConfig(n_ctx=cells[0], n_batch=n_ubatch, n_ubatch=n_ubatch, cache_cells=cells, **engine_kw)
+    return BoundedSession(spec, Engine(model, config))

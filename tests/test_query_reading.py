@@ -64,7 +64,7 @@ def test_reading_a_query_leaves_the_policy_and_the_cache_as_they_were(fixture_mo
         ctl = s.controller
         ctl.prefill(prompt)
         ring, cells = ctl.policy.ring.total.data.copy(), s.engine.cell_positions().copy()
-        scores = ctl.read_query(s.engine.tokenize(QUESTION_TEXT, add_bos=False))
+        (scores,) = ctl.read_query(s.engine.tokenize(QUESTION_TEXT, add_bos=False))
         assert scores.shape == ctl.live.shape and np.all(np.isfinite(scores)) and scores.max() > 0
         assert np.array_equal(ctl.policy.ring.total.data, ring)  # the running state never saw the question
         assert np.array_equal(s.engine.cell_positions(), cells) and s.engine.n_past == len(prompt)
@@ -85,7 +85,7 @@ def test_reconstruction_scores_every_chunk_and_keeps_the_best(fixture_model, lic
         assert [q[len(repeat) :] for q in queries] == [prompt[a : a + 64] for a in range(0, len(prompt), 64)]
         assert all(q[: len(repeat)] == repeat for q in queries)
         assert np.array_equal(s.engine.live_positions(), s.controller.live) and s.controller.live.size <= 96
-        best = s.controller._best
+        best = s.controller.groups[0].best
         assert best[s.controller.live].min() > 0  # every kept position was scored by some pass
 
 

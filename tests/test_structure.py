@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"errors", "paths", "extras", "budget", "fixture", "gguf_header", "models", "upstream"}),
     ("native boundary", {"info", "native", "build", "saved_chat"}),
     ("engine and policies", {"engine", "policies"}),
-    ("controller", {"controller"}),
+    ("controller", {"controller", "groups"}),
     ("bounded session", {"session"}),
     ("users of a session", {"llama", "evaluation", "needle"}),
     ("front ends", {"bench", "chat", "server", "plots", "report", "__init__"}),

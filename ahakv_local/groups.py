@@ -1,0 +1,102 @@
+"""Layer groups: the layers that read one KV cache, with their own live positions, policy and budget.
+
+``shared`` is one group over every layer whose evictions go to every cache at once: the single pool, where
+a position is kept or evicted for all layers together. ``natural`` is one group per cache of the model:
+Gemma 3's full-attention layers (the base cache) and its sliding-window layers (the sliding cache), each
+observed over its own layers only, scored by its own policy instance, held to its own budget
+(``budget.allocate``) and evicting from its own cache (``Engine.evict(positions, cache)``), so the old
+tokens the full-attention layers keep no longer cost the sliding-window layers the recent ones they see.
+
+A sliding group's layers see only the last ``window`` positions. llama.cpp itself hands the cells of
+positions that left the window to new tokens when it needs them, so the group re-reads its live positions
+from the engine after each decode; and what no layer of the group can see any more is evicted first, at
+every eviction, protected or not (a sink or a pinned span outside the window is invisible to these layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .budget import Allocation, Budget
+from .engine import Engine, LayerCache
+from .policies import Observation, Policy
+
+
+@dataclass
+class LayerGroup:
+    name: str  # "shared", "base" or "sliding"
+    cache: LayerCache | None  # the cache its evictions go to; None: every cache (the shared pool)
+    layers: np.ndarray | None  # the layers it observes; None: every layer
+    policy: Policy
+    budget: Budget  # what it holds, in cells (ratio, auto or none: decided as the sequence grows)
+    live: np.ndarray  # int64 positions ascending: the native cell map of its cache
+    window: int = 0  # its layers see the last ``window`` positions (0: every position)
+    obs: Observation | None = None  # the last observation, aligned with ``live``
+    best: np.ndarray = field(default_factory=lambda: np.zeros(0))  # Reconstruct: best score by position
+    decided: int | None = None  # the cells of its last eviction target (auto: the error model's decision)
+    evicted: int = 0  # positions it evicted
+
+    @property
+    def map_layer(self) -> int | None:
+        """A layer reading its cache (None: the engine's base layer)."""
+        return None if self.layers is None else int(self.layers[0])
+
+    def read_live(self, engine: Engine) -> np.ndarray:
+        return engine.live_positions(self.map_layer).astype(np.int64)
+
+    def outside_window(self, n_seen: int) -> np.ndarray:
+        """bool [n]: positions none of its layers can see again (they left the sliding window)."""
+        if not self.window:
+            return np.zeros(self.live.size, dtype=bool)
+        return n_seen - 1 - self.live >= self.window
+
+    def protected(self, n_sink: int, n_recent: int, pinned: tuple[int, int] | None) -> np.ndarray:
+        """bool [n]: positions never evicted: the first n_sink (attention sinks), the last n_recent live ones,
+        the pinned span and the newest (the next batch starts after it); in a sliding group only while its
+        layers can see them (``outside_window``)."""
+        pos = self.live
+        keep = pos < n_sink
+        keep[max(0, pos.size - n_recent) :] = True
+        if pos.size:
+            keep[-1] = True
+        if pinned is not None:
+            keep |= (pos >= pinned[0]) & (pos < pinned[1])
+        return keep
+
+    def has_room(self, engine: Engine, n: int) -> bool:
+        """Whether ``n`` more tokens fit its cache's free cells now."""
+        return engine.n_used(self.map_layer) + n <= engine.n_cells(self.map_layer)
+
+    def caches(self, engine: Engine) -> list[LayerCache]:
+        return engine.caches if self.cache is None else [self.cache]
+
+    def allocated_bytes(self, engine: Engine) -> int:
+        """K+V bytes allocated to its cache (the shared group: every cache)."""
+        return sum(engine.kv_bytes(c) for c in self.caches(engine))
+
+    def used_bytes(self, engine: Engine) -> int:
+        """K+V bytes of the cells its cache (the shared group: every cache) holds positions in."""
+        total = 0
+        for c in self.caches(engine):
+            layer = engine.layer_cache.index(c)
+            total += engine.n_used(layer) * engine.kv_bytes(c) // max(1, engine.n_cells(layer))
+        return total
+
+
+def make_groups(engine: Engine, policy: Policy, allocation: Allocation) -> list[LayerGroup]:
+    """The groups of ``allocation`` on ``engine``: one shared group, or one per cache (base first), each with
+    its own instance of ``policy`` (the first group gets ``policy`` itself)."""
+    if len(allocation.groups) == 1:
+        live = engine.live_positions().astype(np.int64)
+        return [LayerGroup("shared", None, None, policy, allocation.groups[0], live)]
+    groups = []
+    for cache, budget in zip((LayerCache.BASE, LayerCache.SLIDING), allocation.groups, strict=True):
+        layers = np.flatnonzero([c is cache for c in engine.layer_cache])
+        window = engine.n_swa if cache is LayerCache.SLIDING else 0
+        own = policy if not groups else policy.fresh()
+        group = LayerGroup(cache.name.lower(), cache, layers, own, budget, np.zeros(0, np.int64), window)
+        group.live = group.read_live(engine)
+        groups.append(group)
+    return groups

@@ -1,0 +1,114 @@
+"""Layer budgets on the real model: perplexity and mean KL from the full cache, shared vs natural, at byte
+budgets of 1/2, 1/4 and 1/8 of llama.cpp's trimmed cache (swa_full off) at the same length.
+
+    AHAKV_CACHE_DIR=... python benchmarks/layer_budgets.py --text /usr/share/common-licenses/GPL-3 \\
+        --tokens 4096 --step 16 --out benchmarks/layer_budgets.json
+
+Nothing is tuned on the text. Results go to a JSON file (rewritten after each policy) and a markdown table
+next to it, with the command that produced them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from ahakv_local.budget import Budget
+from ahakv_local.engine import Engine, EngineConfig
+from ahakv_local.evaluation import evaluate
+from ahakv_local.models import default_model_path
+from ahakv_local.session import SessionSpec
+
+FRACTIONS = (2, 4, 8)
+
+
+def trimmed_bytes(model: Path, n_tokens: int, n_ubatch: int) -> int:
+    """K+V bytes llama.cpp itself allocates for n_tokens with the sliding cache trimmed to its window."""
+    config = EngineConfig(n_ctx=n_tokens, n_batch=n_ubatch, n_ubatch=n_ubatch, swa_full=False)
+    with Engine(model, config) as e:
+        return e.kv_bytes()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--step", type=int, default=16)
+    ap.add_argument("--n-ubatch", type=int, default=64)
+    ap.add_argument("--policies", default="streaming,h2o,tova,snapkv,ahakv")
+    ap.add_argument("--out", default="benchmarks/layer_budgets.json")
+    args = ap.parse_args()
+    model = default_model_path()
+    with Engine(model, EngineConfig(n_ctx=256)) as e:
+        tokens = e.tokenize(Path(args.text).read_text(encoding="utf-8"))[: args.tokens]
+    trimmed = trimmed_bytes(model, len(tokens), args.n_ubatch)
+    out = Path(args.out)
+    report = {
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "model": model.name,
+        "text": args.text,
+        "tokens": len(tokens),
+        "step": args.step,
+        "n_ubatch": args.n_ubatch,
+        "trimmed_bytes": trimmed,
+        "results": [],
+    }
+    for policy in args.policies.split(","):
+        specs = []
+        for frac in FRACTIONS:
+            budget = Budget.parse(f"{trimmed // frac}B")
+            for lb in ("shared", "natural"):
+                specs.append(SessionSpec.bounded(policy, budget, layer_budgets=lb, label=f"{policy}/{lb}/{frac}"))
+        t0 = time.perf_counter()
+        results = evaluate(model, tokens, specs, n_ubatch=args.n_ubatch, step=args.step)
+        for spec in specs:
+            r = results[spec.label]
+            _, lb, frac = spec.label.split("/")
+            report["results"].append(
+                {
+                    "policy": policy,
+                    "layer_budgets": lb,
+                    "fraction": f"1/{frac}",
+                    "budget_bytes": int(spec.budget.value),
+                    "ppl": r.ppl,
+                    "kl": r.kl,
+                    "top1": r.top1,
+                    "max_cells": r.max_cells,
+                    "seconds": r.seconds,
+                }
+            )
+        report["full_ppl"] = results["full"].ppl
+        print(f"{policy}: {time.perf_counter() - t0:.0f} s", flush=True)
+        out.write_text(json.dumps(report, indent=1))
+        out.with_suffix(".md").write_text(table(report))
+
+
+def table(report: dict) -> str:
+    lines = [
+        f"Layer budgets, {report['model']}, {report['tokens']} tokens of {report['text']}, step {report['step']}; "
+        f"llama.cpp's trimmed cache: {report['trimmed_bytes'] / 2**20:.2f} MiB; full cache ppl "
+        f"{report.get('full_ppl', float('nan')):.3f}",
+        "",
+        f"    {report['command']}",
+        "",
+        "| policy | budget | shared ppl | natural ppl | shared KL | natural KL | shared top1 | natural top1 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows = {(r["policy"], r["fraction"], r["layer_budgets"]): r for r in report["results"]}
+    for policy, frac in dict.fromkeys((r["policy"], r["fraction"]) for r in report["results"]):
+        s, n = rows.get((policy, frac, "shared")), rows.get((policy, frac, "natural"))
+        if s and n:
+            mib = s["budget_bytes"] / 2**20
+            lines.append(
+                f"| {policy} | {frac} ({mib:.2f} MiB) | {s['ppl']:.3f} | {n['ppl']:.3f} | {s['kl']:.4f} | "
+                f"{n['kl']:.4f} | {s['top1']:.3f} | {n['top1']:.3f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

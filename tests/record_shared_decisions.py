@@ -1,0 +1,56 @@
+"""Records what the single-pool controller (before layer groups) evicts on the fixtures, for every policy:
+tests/data/shared_decisions.json, which tests/test_layer_budgets.py replays with ``layer_budgets="shared"``.
+Run once, at the commit before layer groups: python tests/record_shared_decisions.py"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ahakv_local.budget import Budget
+from ahakv_local.controller import ControllerConfig, KVController
+from ahakv_local.engine import Engine, EngineConfig
+from ahakv_local.fixture import FixtureSpec
+from ahakv_local.models import fixture_path
+from ahakv_local.policies import POLICIES, make_policy
+
+OUT = Path(__file__).parent / "data" / "shared_decisions.json"
+TEXT = "/usr/share/common-licenses/GPL-3"
+PROMPT, STEPS, CHUNK = 150, 60, 16
+QUESTION = " Which license is this?"
+
+
+def run(path, policy: str, query: bool) -> dict:
+    with Engine(path, EngineConfig(n_ctx=512, n_batch=64, n_ubatch=CHUNK)) as e:
+        toks = e.tokenize(open(TEXT, encoding="utf-8").read())[: PROMPT + STEPS]
+        q = e.tokenize(QUESTION, add_bos=False) if query else None
+        cfg = ControllerConfig(Budget.parse(48), n_sink=4, n_recent=8, evict_every=4, observe_steps=None)
+        c = KVController(e, make_policy(policy), cfg)
+        victims = []
+        real = e.evict
+
+        def spy(positions, cache=None):
+            victims.append([e.n_past, *map(int, positions)])
+            return real(positions, cache)
+
+        e.evict = spy
+        c.prefill(toks[:PROMPT], query=q)
+        for t in toks[PROMPT:]:
+            c.step(t)
+        return {"victims": victims, "live": c.live.tolist()}
+
+
+def main() -> None:
+    out = {}
+    for arch in ("llama", "gemma3"):
+        path = fixture_path(FixtureSpec(arch=arch))
+        for name in sorted(set(POLICIES) - {"full"}):
+            out[f"{arch}/{name}"] = run(path, name, False)
+            if make_policy(name).reads_with_query:
+                out[f"{arch}/{name}/query"] = run(path, name, True)
+    OUT.write_text(json.dumps(out))
+    print(f"wrote {OUT}: {len(out)} runs")
+
+
+if __name__ == "__main__":
+    main()

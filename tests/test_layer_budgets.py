@@ -1,0 +1,299 @@
+"""Layer budgets: a budget in bytes, and its layout on the layer groups (``shared``: one pool for every layer,
+``natural``: one group per cache, each with its own live positions, policy instance and budget).
+
+Fixture: the random-weight gemma3 GGUF (ahakv_local/fixture.py): layer 0 slides over 24 positions (the sliding
+cache), layer 1 attends to everything (the base cache); F16 K/V of 2 heads x 16 dims: 128 bytes per cell per
+layer. The single-pool controller's decisions before layer groups existed are recorded in
+tests/data/shared_decisions.json (tests/record_shared_decisions.py, run at commit 34d0fbf): ``shared`` must
+replay them exactly.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import record_shared_decisions as recorded
+
+from ahakv_local.budget import Budget, CacheLayout, allocate, cells_for
+from ahakv_local.engine import LayerCache
+from ahakv_local.errors import AhakvError
+from ahakv_local.fixture import ARCH_HPARAMS, FixtureSpec
+from ahakv_local.models import fixture_path
+from ahakv_local.policies import POLICIES
+from ahakv_local.session import SessionSpec, open_session
+
+EVICTING = sorted(set(POLICIES) - {"full"})
+WINDOW = int(ARCH_HPARAMS["sliding_window"])  # 24
+CHUNK = 16
+BASE, SLIDING = LayerCache.BASE, LayerCache.SLIDING
+# Gemma 3 270M: one KV head of 256 dims, F16 K+V = 1 KiB per cell per layer; 3 full-attention and 15 sliding
+GEMMA3_270M = CacheLayout(base_bytes=3 * 1024, sliding_bytes=15 * 1024, window=512)
+
+
+@pytest.fixture(scope="module")
+def gemma3_fixture():
+    return fixture_path(FixtureSpec(arch="gemma3"))
+
+
+# -- the grammar and the layout ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "n", "spelled"),
+    [
+        ("16MiB", 16 * 2**20, "16 MiB"),
+        ("512KiB", 512 * 1024, "512 KiB"),
+        ("1.5GiB", 3 * 2**29, "1.5 GiB"),
+        (" 2 mib ", 2 * 2**20, "2 MiB"),
+        ("1000B", 1000, "1000 B"),
+        ("1536KiB", 1536 * 1024, "1.5 MiB"),
+    ],
+)
+def test_a_byte_budget_round_trips(text, n, spelled):
+    budget = Budget.parse(text)
+    assert budget == Budget("bytes", n) and str(budget) == spelled and Budget.parse(str(budget)) == budget
+    assert budget.evicts and budget.target(4096) is None  # cells only once laid out on a model
+
+
+@pytest.mark.parametrize("text", ["0MiB", "0.5B", "-1KiB", "lotsMiB", "1.0000001KiB", "infGiB"])
+def test_bad_byte_budgets_are_refused(text):
+    with pytest.raises(AhakvError, match="whole number of bytes"):
+        Budget.parse(text)
+
+
+def test_the_layout_rules_on_gemma3_270m():
+    chunk, every, extra = 64, 32, 64 + 1
+    budget = Budget.parse("16MiB")
+    shared = allocate(budget, GEMMA3_270M, "shared", chunk, 4096, 0, every)
+    n = 16 * 2**20 // (18 * 1024)  # 910 cells in every layer
+    assert shared.cache_cells == (n, n) and shared.groups == (Budget("cells", n - extra),)
+    natural = allocate(budget, GEMMA3_270M, "natural", chunk, 4096, 0, every)
+    sliding = 512 + every - 1 + extra  # its window, the positions that leave it between evictions, a chunk, newest
+    base = (16 * 2**20 - sliding * 15 * 1024) // (3 * 1024)
+    assert natural.cache_cells == (base, sliding)
+    assert natural.groups == (Budget("cells", base - extra), Budget("cells", sliding - extra))
+    for a in (shared, natural):
+        assert GEMMA3_270M.bytes(a.cache_cells) <= 16 * 2**20
+        assert 16 * 2**20 - GEMMA3_270M.bytes(a.cache_cells) < 18 * 1024  # less than one cell of every layer left
+    # too few bytes for the window: every cache gets the shared count, never less than the shared layout
+    small = allocate(Budget.parse("4MiB"), GEMMA3_270M, "natural", chunk, 4096, 0, every)
+    n = 4 * 2**20 // (18 * 1024)
+    assert small.cache_cells[1] == n and small.cache_cells[0] >= n
+    # cells and ratios count the cells of a full-attention layer; the sliding group holds as much, up to its window
+    cells = allocate(Budget.parse(1024), GEMMA3_270M, "natural", chunk, 4096, 0, every)
+    assert cells.groups == (Budget("cells", 1024), Budget("cells", 512 + every - 1))
+    assert cells.cache_cells == (cells_for(Budget.parse(1024), chunk, 4096), 512 + every - 1 + extra)
+    assert allocate(Budget.parse(200), GEMMA3_270M, "natural", chunk, 4096).groups[1] == Budget("cells", 200)
+    ratio = allocate(Budget.parse("25%"), GEMMA3_270M, "natural", chunk, 4096, 0, every).groups[1]
+    assert ratio.target(4096) == 512 + every - 1 and ratio.target(400) == 100
+    assert allocate(Budget.parse(1024), GEMMA3_270M, "shared", chunk, 4096).cache_cells == (1024 + extra,) * 2
+    # a model with one cache: natural is shared
+    one = CacheLayout(base_bytes=4096)
+    a, b = allocate(budget, one, "natural", chunk), allocate(budget, one, "shared", chunk)
+    assert (a.groups, a.cache_cells) == (b.groups, b.cache_cells) == ((Budget("cells", 4096 - extra),), (4096, 0))
+    with pytest.raises(AhakvError, match="layer budgets must be shared or natural"):
+        allocate(budget, one, "per-layer")
+
+
+# -- the controller: every group holds its budget --------------------------------------------------------
+
+
+def run_checked(path, text, spec: SessionSpec, prompt: int, steps: int, longest: int = 400) -> dict:
+    """Read ``prompt`` tokens chunk by chunk, then step; after every chunk and every step check each group:
+    its live positions are its cache's native map, it holds its budget, the allocated bytes hold a byte budget;
+    and every eviction spared the protected positions of its group (a sliding group's: inside its window)."""
+    with open_session(path, spec, longest=longest, n_ubatch=CHUNK) as s:
+        c, e = s.controller, s.engine
+        toks = e.tokenize(text)[: prompt + steps]
+        evictions = []  # (group, its live positions before, the newest position, victims)
+        native_evict = e.evict
+
+        def spy(positions, cache=None):
+            g = c.groups[0] if cache is None else c.group(cache.name.lower())
+            evictions.append((g, g.live.copy(), e.n_past - 1, np.asarray(positions).copy()))
+            return native_evict(positions, cache)
+
+        e.evict = spy
+        if spec.budget.mode == "bytes":
+            assert e.kv_bytes() <= spec.budget.value
+        every = c.config.evict_every
+
+        def check() -> None:
+            for g in c.groups:
+                np.testing.assert_array_equal(g.live, g.read_live(e), f"{g.name}: live != native map")
+                target = g.budget.target(e.n_past)
+                assert g.live.size <= target, f"{g.name} holds {g.live.size} > {target}"
+                if g.window and target >= g.window + every - 1:  # room for the window: it is all there
+                    window = np.arange(max(0, e.n_past - g.window), e.n_past)
+                    assert np.isin(window, g.live).all(), f"{g.name}: a position inside the window was evicted"
+
+        for a in range(0, prompt, CHUNK):
+            c.prefill(toks[a : a + CHUNK], ends_prompt=False)
+            check()
+        for t in toks[prompt:]:
+            c.step(t)
+            check()
+
+        n_sink, n_recent, pinned = c.config.n_sink, c.config.n_recent, c.config.pinned or (0, 0)
+        for g, before, newest, victims in evictions:
+            visible = newest - victims < g.window if g.window else np.ones(victims.size, dtype=bool)
+            seen = victims[visible]
+            assert not np.any(seen < n_sink), f"{g.name}: a sink was evicted"
+            assert not np.any((seen >= pinned[0]) & (seen < pinned[1])), f"{g.name}: a pinned position was evicted"
+            assert not np.intersect1d(seen, before[max(0, before.size - n_recent) :]).size, f"{g.name}: a recent one"
+            assert before[-1] not in victims, f"{g.name}: the newest position was evicted"
+            assert np.isin(victims, before).all()
+        assert c.stats.evicted == sum(v.size for *_, v in evictions) == sum(g.evicted for g in c.groups)
+        return {g.name: (g.live.copy(), g.evicted) for g in c.groups} | {"every": every, "kv_bytes": e.kv_bytes()}
+
+
+@pytest.mark.parametrize("layer_budgets", ["shared", "natural"])
+@pytest.mark.parametrize("policy", EVICTING)
+@pytest.mark.parametrize("budget", ["40", "12KiB"])
+def test_every_group_holds_its_budget(gemma3_fixture, license_text, policy, layer_budgets, budget):
+    spec = SessionSpec.bounded(
+        policy, budget, n_sink=4, n_recent=8, evict_every=4, pinned=(30, 36), layer_budgets=layer_budgets
+    )
+    got = run_checked(gemma3_fixture, license_text, spec, prompt=200, steps=50)
+    if layer_budgets == "natural":
+        assert set(got) >= {"base", "sliding"}
+        # the sliding layers keep exactly their window: nothing the full-attention layers keep costs them a token
+        assert got["sliding"][0].size <= WINDOW + got["every"] - 1
+        assert got["base"][0].size >= got["sliding"][0].size
+    else:
+        assert "shared" in got
+
+
+def test_natural_gives_the_full_attention_layers_more_for_the_same_bytes(gemma3_fixture, license_text):
+    runs = {
+        lb: run_checked(
+            gemma3_fixture,
+            license_text,
+            SessionSpec.bounded("h2o", "12KiB", n_recent=8, layer_budgets=lb),
+            prompt=200,
+            steps=20,
+        )
+        for lb in ("shared", "natural")
+    }
+    assert runs["natural"]["kv_bytes"] <= 12 * 1024 and runs["shared"]["kv_bytes"] <= 12 * 1024
+    assert runs["natural"]["base"][0].size > runs["shared"]["shared"][0].size
+
+
+def test_a_one_cache_model_has_one_group_either_way(fixture_model, license_text):
+    a = run_checked(fixture_model, license_text, SessionSpec.bounded("tova", 40, n_recent=8), 100, 20)
+    b = run_checked(
+        fixture_model, license_text, SessionSpec.bounded("tova", 40, n_recent=8, layer_budgets="natural"), 100, 20
+    )
+    assert set(a) == set(b) == {"shared", "every", "kv_bytes"}
+    np.testing.assert_array_equal(a["shared"][0], b["shared"][0])
+
+
+@pytest.mark.parametrize("key", sorted(json.loads(recorded.OUT.read_text())))
+def test_shared_replays_the_single_pool_decisions(key):
+    """Every eviction of every policy, on both fixtures, with and without a question: bit for bit what the
+    controller did before layer groups (recorded at 34d0fbf)."""
+    arch, policy, *query = key.split("/")
+    want = json.loads(recorded.OUT.read_text())[key]
+    assert recorded.run(fixture_path(FixtureSpec(arch=arch)), policy, bool(query)) == want
+
+
+def test_a_byte_budget_too_small_is_one_line(gemma3_fixture):
+    # 8 KiB: 32 cells per layer, 15 kept after a chunk and the newest: fewer than 4 + 32 + 1
+    for text, match in (("8KiB", "fewer than sinks \\+ recent"), ("3KiB", "not enough for a prompt chunk")):
+        for lb in ("shared", "natural"):
+            with pytest.raises(AhakvError, match=match) as info:
+                open_session(gemma3_fixture, SessionSpec.bounded("h2o", text, evict_every=1, layer_budgets=lb), 400, 16)
+            assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("reading", ["query", "reconstruct"])
+def test_query_aware_reading_per_group(gemma3_fixture, license_text, reading):
+    """A question (or a reconstruction) guides every group's reading; no cell of it is left in either cache."""
+    spec = SessionSpec.bounded("ahakv", 48, n_recent=8, reading=reading, layer_budgets="natural")
+    with open_session(gemma3_fixture, spec, longest=400, n_ubatch=CHUNK) as s:
+        c, e = s.controller, s.engine
+        prompt, question = e.tokenize(license_text)[:240], e.tokenize(" Which license?", add_bos=False)
+        passes = []
+        real = c.read_query
+        c.read_query = lambda q: passes.append(real(q)) or passes[-1]
+        s.read(prompt, question)
+        assert passes and all(len(p) == 2 for p in passes)  # one score array per group
+        for g in c.groups:
+            np.testing.assert_array_equal(g.live, g.read_live(e))
+            assert e.n_used(g.map_layer) == g.live.size  # the question's cells are gone
+        assert c.group("base").live.size <= 48 and c.group("sliding").live.size <= WINDOW
+        assert e.n_past == len(prompt)
+
+
+def test_info_bytes_per_group(gemma3_fixture, license_text):
+    spec = SessionSpec.bounded("snapkv", "12KiB", n_recent=8, layer_budgets="natural")
+    with open_session(gemma3_fixture, spec, longest=400, n_ubatch=CHUNK) as s:
+        s.controller.prefill(s.engine.tokenize(license_text)[:200])
+        report = s.controller.group_bytes()
+        assert set(report) == {"base", "sliding"}
+        assert sum(a for a, _ in report.values()) == s.engine.kv_bytes() <= 12 * 1024
+        for g in s.controller.groups:
+            allocated, used = report[g.name]
+            assert used == g.live.size * 128 <= allocated
+
+
+# -- Gemma 3 270M -----------------------------------------------------------------------------------------
+
+
+def test_gemma3_270m_natural_keeps_the_window(gemma_model, license_text):
+    """The real model at 11 MiB (625 cells of every layer, shared): natural gives the sliding layers their
+    window (512 + 31 held: 608 cells with a chunk of 64 and the newest) and the full-attention layers the rest
+    (714 cells, 649 held); every group holds its budget at every step, and the sliding layers see every
+    position of their window all along."""
+    spec = SessionSpec.bounded("ahakv", "11MiB", layer_budgets="natural")
+    with open_session(gemma_model, spec, longest=800, n_ubatch=64) as s:
+        c, e = s.controller, s.engine
+        assert (e.cache_cells(BASE), e.cache_cells(SLIDING)) == (714, 608) and e.kv_bytes() <= 11 * 2**20
+        base, sliding = c.group("base"), c.group("sliding")
+        assert (base.budget, sliding.budget) == (Budget("cells", 649), Budget("cells", 543))
+        toks = e.tokenize(license_text)[:700]
+        for a in range(0, 660, 64):
+            c.prefill(toks[a : min(a + 64, 660)], ends_prompt=False)
+        for t in toks[660:]:
+            c.step(t)
+            for g in (base, sliding):
+                np.testing.assert_array_equal(g.live, g.read_live(e))
+                assert g.live.size <= g.budget.target(e.n_past)
+            assert np.isin(np.arange(e.n_past - 512, e.n_past), sliding.live).all()
+        assert base.evicted > 0 and 649 - 31 <= base.live.size <= 649
+    # at 2 MiB the window does not fit: the sliding cache gets the shared layout's cells, the base cache the rest
+    with open_session(gemma_model, SessionSpec.bounded("ahakv", "2MiB", layer_budgets="natural"), 800, 64) as s:
+        e, n = s.engine, 2 * 2**20 // (18 * 1024)  # 113
+        assert e.cache_cells(SLIDING) == n <= e.cache_cells(BASE) <= n + 5 and e.kv_bytes() <= 2 * 2**20
+
+
+# -- the drop-in and the command line ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer_budgets", ["shared", "natural"])
+def test_the_drop_in_lays_a_byte_budget_out(gemma3_fixture, license_text, layer_budgets):
+    from ahakv_local import Llama
+
+    with Llama(
+        str(gemma3_fixture), kv_budget="12KiB", kv_policy="h2o", kv_recent=8, kv_layer_budgets=layer_budgets,
+        n_ctx=400, n_batch=CHUNK, n_ubatch=CHUNK, verbose=False,
+    ) as llm:  # fmt: skip
+        e, c = llm.kv_engine, llm.kv_controller
+        assert e.kv_bytes() <= 12 * 1024 and len(c.groups) == (2 if layer_budgets == "natural" else 1)
+        llm.eval(e.tokenize(license_text)[:150])
+        stats = llm.kv_stats()
+        assert stats.kv_bytes == sum(a for a, _ in stats.kv_group_bytes.values())
+        for g in c.groups:
+            np.testing.assert_array_equal(g.live, g.read_live(e))
+            assert g.live.size <= g.budget.target(e.n_past)
+
+
+def test_the_command_line_takes_layer_budgets():
+    from click.testing import CliRunner
+
+    from ahakv_local.cli import main
+
+    out = CliRunner().invoke(main, ["generate", "--help"]).output
+    assert "--layer-budgets [shared|natural]" in out and "16MiB" in out
