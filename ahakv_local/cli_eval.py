@@ -189,6 +189,95 @@ def eval_needle(model, filler_file, lengths, depths, budgets, policies, trials, 
         click.echo(line)
 
 
+@eval_group.command("longdoc")
+@click.argument("model", required=False, envvar="AHAKV_MODEL")
+@click.option("--tasks", default="single,multikey,multivalue,vartrack,fact", show_default=True, help="Tasks.")
+@click.option("--lengths", default="2048,4096", show_default=True, help="Prompt lengths in tokens.")
+@click.option("--depths", default="0.1,0.5,0.9", show_default=True, help="Where the asked fact sits (fractions).")
+@click.option(
+    "--compressions", default="4,8", show_default=True, help="Tokens per kept cell: cells = length / compression."
+)
+@click.option("--policies", default="all", show_default=True, help="Comma-separated policy names, or all.")
+@click.option(
+    "--reading",
+    default="plain,query,reconstruct",
+    show_default=True,
+    help="How the prompt is read: plain, query (guided by the question), reconstruct (question-agnostic).",
+)
+@click.option("--trials", default=1, show_default=True, help="Items per task, length and depth.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--filler", "filler_files", multiple=True, help="Filler text (default: GPL-3, then other licenses).")
+@click.option("--sinks", default=4, show_default=True)
+@click.option("--recent", default=32, show_default=True)
+@click.option("--out", "out_dir", default="longdoc-out", show_default=True, help="Folder for the outputs.")
+def eval_longdoc(
+    model, tasks, lengths, depths, compressions, policies, reading, trials, seed, filler_files, sinks, recent, out_dir
+) -> None:
+    """Long documents (RULER-style, generated locally): retrieval, multi-key, multi-value, variable tracking
+    and a fact, per policy, compression and reading mode, beside the full cache."""
+    from .longdoc import ANSWER_TOKENS, TASKS, default_filler_files, parse_compressions, run_longdoc, specs_rule
+    from .report import write_longdoc_report
+
+    task_list = [t.strip() for t in tasks.split(",") if t.strip()]
+    unknown = [t for t in task_list if t not in TASKS]
+    if unknown or not task_list:
+        raise AhakvError(f"unknown task {','.join(unknown)!r}; choose from {', '.join(TASKS)}")
+    readings = [r.strip() for r in reading.split(",") if r.strip()]
+    if not readings or any(r not in ("plain", "query", "reconstruct") for r in readings):
+        raise AhakvError(f"--reading takes plain, query and reconstruct, comma-separated, not {reading!r}")
+    try:
+        lens = [int(n) for n in lengths.split(",")]
+        deps = [float(d) for d in depths.split(",")]
+    except ValueError:
+        raise AhakvError("--lengths takes integers and --depths fractions, comma-separated") from None
+    if any(not 0 <= d <= 1 for d in deps):
+        raise AhakvError("--depths must lie between 0 and 1")
+    if min(lens) < 64:
+        raise AhakvError(f"a length must be at least 64 tokens, not {min(lens)}")
+    if trials < 1:
+        raise AhakvError("--trials must be at least 1")
+    try:
+        factors = parse_compressions(compressions)
+    except ValueError as exc:
+        raise AhakvError(str(exc)) from None
+    floor = sinks + recent + 1
+    if any(int(n / c) < floor for n in lens for c in factors):
+        raise AhakvError(f"a length / compression is smaller than sinks + recent + newest ({floor} cells)")
+    names = _policies(policies)
+    from .info import read_info
+
+    path = _model(model)
+    trained = read_info(path).n_ctx_train
+    answer = max(ANSWER_TOKENS[t] for t in task_list)
+    if trained and max(lens) + answer > trained:
+        raise AhakvError(f"length {max(lens)} (+{answer} answer tokens) is past the model's trained context {trained}")
+    files = [str(f) for f in filler_files] or [str(p) for p in default_filler_files()]
+    texts = [_read(f) for f in files]
+    rule = specs_rule(names, factors, readings, n_sink=sinks, n_recent=recent)
+    n_items = len(task_list) * len(deps) * trials
+    with _bar("eval longdoc", sum(len(rule(n)) for n in lens) * n_items) as bar:
+        bar.unit = "trial"
+        try:
+            results = run_longdoc(
+                path,
+                rule,
+                task_list,
+                lens,
+                deps,
+                trials=trials,
+                seed=seed,
+                filler_texts=texts,
+                progress=lambda done, total: bar.update(done - bar.n),
+            )
+        except ValueError as exc:
+            raise AhakvError(str(exc)) from None
+    settings = dict(tasks=task_list, lengths=lens, depths=deps, compressions=factors, readings=readings,
+                    trials=trials, seed=seed, sinks=sinks, recent=recent, filler_files=files)  # fmt: skip
+    filler = files[0] + (f" (then {len(files) - 1} more texts as a length needs)" if len(files) > 1 else "")
+    for line in write_longdoc_report(Path(out_dir), results, path, filler, settings):
+        click.echo(line)
+
+
 @click.group("bench")
 def bench_group() -> None:
     """Measure what a budget buys in speed and memory."""

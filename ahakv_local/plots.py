@@ -8,9 +8,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import numpy as np  # noqa: E402
 
 from .bench import LongRow  # noqa: E402
 from .evaluation import PplResult  # noqa: E402
+from .longdoc import LongdocTrial, mean_scores  # noqa: E402
 
 
 def plot_ppl(results: dict[str, PplResult], tokens: int, path: Path, title: str = "") -> Path:
@@ -60,6 +62,31 @@ def plot_long_run(rows: list[LongRow], path: Path, title: str = "") -> Path:
     mem.set_ylabel("KV cache (MiB)")
     tps.set_ylabel("decode tokens/s")
     fig.suptitle(title or "long run: full cache vs budget")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_longdoc(trials: list[LongdocTrial], path: Path, title: str = "") -> Path:
+    """A heatmap of the mean score: one row per configuration (the full cache on top), one column per
+    task x prompt length, each cell annotated."""
+    labels, columns, means = mean_scores(trials)
+    grid = np.full((len(labels), len(columns)), np.nan)
+    for i, label in enumerate(labels):
+        for j, (task, n) in enumerate(columns):
+            grid[i, j] = means.get((label, task, n), np.nan)
+    fig, ax = plt.subplots(figsize=(1.6 + 0.9 * len(columns), 1.2 + 0.4 * len(labels)))
+    im = ax.imshow(grid, cmap="viridis", vmin=0, vmax=1, aspect="auto")
+    for i in range(len(labels)):
+        for j in range(len(columns)):
+            if not np.isnan(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.0%}", ha="center", va="center", fontsize=8,
+                        color="black" if grid[i, j] > 0.6 else "white")  # fmt: skip
+    ax.set_xticks(range(len(columns)), [f"{task}\n{n}" for task, n in columns], fontsize=8)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    fig.colorbar(im, ax=ax, label="mean score")
+    ax.set_title(title or "long documents: mean score", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

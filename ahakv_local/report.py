@@ -7,11 +7,14 @@ import csv
 import hashlib
 import json
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
 from .bench import LongRow, SpeedRow
 from .evaluation import PplResult
+from .longdoc import LongdocTrial
+from .longdoc import accuracy_table as longdoc_table
 from .needle import NeedleTrial, accuracy_table
 
 
@@ -82,6 +85,32 @@ def write_needle_report(out: Path, trials: list[NeedleTrial], model: Path, fille
     meta = provenance(model, filler, max(t.length for t in trials))
     lines = [f"# passkey retrieval: {model.name}, filler {filler}", "", *accuracy_table(trials)]
     fields = ["label", "policy", "budget", "length", "depth", "key", "answer", "solved", "max_cells"]
+    _write(out, meta, [asdict(t) | {"budget": str(t.budget)} for t in trials], fields, lines)
+    return lines
+
+
+def write_longdoc_report(
+    out: Path, trials: list[LongdocTrial], model: Path, filler: str, settings: dict | None = None
+) -> list[str]:
+    """results.json/.csv/.md and accuracy.png of the long-document suite; return the Markdown lines."""
+    from .plots import plot_longdoc
+
+    meta = provenance(model, filler, max(t.length for t in trials)) | (settings or {})
+    n = max(Counter((t.label, t.task, t.length) for t in trials).values())
+    lines = [
+        f"# long documents: {model.name}, filler {filler}",
+        "",
+        f"Mean score per configuration, task and prompt length ({n} item(s) each: depths x trials); "
+        "a configuration is <policy>@<compression> (cells = length / compression) [+<reading>].",
+        "",
+        *longdoc_table(trials),
+    ]
+    fields = [
+        "label", "policy", "budget", "reading", "task", "length", "depth", "trial", "expected", "answer", "score",
+        "solved", "peak_cells", "prompt_seconds",
+    ]  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    plot_longdoc(trials, out / "accuracy.png", f"{model.name}: long documents, mean score")
     _write(out, meta, [asdict(t) | {"budget": str(t.budget)} for t in trials], fields, lines)
     return lines
 
