@@ -116,8 +116,9 @@ REPEAT_TOKENS = 32  # room for the repetition prompt of a question-agnostic (rec
 
 def guide_room(reading: str, chunk: int) -> int:
     """Cells a guided reading needs on top: the question (or a repetition prompt and the chunk again)
-    is decoded behind each chunk before the compression."""
-    return {"query": QUERY_TOKENS, "reconstruct": REPEAT_TOKENS + chunk}.get(reading, 0)
+    is decoded behind each chunk before the compression. A question longer than the room is read by its
+    last tokens (``KVController.prefill``), so the room never costs more than one more chunk."""
+    return {"query": min(QUERY_TOKENS, chunk), "reconstruct": REPEAT_TOKENS + chunk}.get(reading, 0)
 
 
 def cells_for(budget: Budget, chunk: int, longest: int, room: int = 0) -> int:

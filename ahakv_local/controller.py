@@ -162,8 +162,9 @@ class KVController:
                 self.evict(self._reconstruction_scores(again) if self._has_room(len(again)) else None)
                 continue
             last = ends_prompt and i + chunk >= len(tokens)
-            guided = use_query and not last and self._over_budget() and self._has_room(len(query))
-            self.evict(self.read_query(query) if guided else None)
+            guided = use_query and not last and self._over_budget()
+            tail = self._fitting_tail(query) if guided else []
+            self.evict(self.read_query(tail) if tail else None)
         return np.concatenate(rows) if all_logits else rows[-1]
 
     def _reconstruction_scores(self, query: list[int]) -> list[np.ndarray]:
@@ -221,6 +222,16 @@ class KVController:
                     scores[i] = scores[i][np.isin(g.live, now)]
                     g.live = now
         return scores
+
+    def _fitting_tail(self, query: Sequence[int], least: int = 8) -> list[int]:
+        """The longest tail of the question (halving) that fits the free cells; [] if under ``least`` tokens
+        would (the chunk is then compressed unguided, never failing for want of cells)."""
+        n = len(query)
+        if self._has_room(n):
+            return list(query)
+        while n >= least and not self._has_room(n):
+            n //= 2
+        return list(query[-n:]) if n >= least else []
 
     def _has_room(self, n: int) -> bool:
         """Whether ``n`` more tokens fit the allocated cells of every group now (a budget raised past the room

@@ -14,6 +14,8 @@ from ahakv_local.errors import AhakvError
 from ahakv_local.needle import NEEDLE, QUESTION, build_prompt
 from ahakv_local.session import SessionSpec, open_session
 
+from numerics import F32
+
 QUESTION_TEXT = " Which license is this, and which version?"
 
 
@@ -24,9 +26,10 @@ def tokens_of(model, text: str, n: int) -> list[int]:
 
 def test_a_guided_read_equals_a_plain_replay_of_its_evictions(fixture_model, license_text):
     """The question is decoded behind each chunk and removed again: replaying the same chunks with the same
-    evictions and no question gives the same cache and the same logits. Bit for bit: the question's cells
-    are freed before the next chunk, so both runs offer llama.cpp the same free cells and every sum runs
-    in the same order."""
+    evictions and no question gives the same cache and the same logits. The same positions may sit in other
+    cells (the question's cells were used and freed), so the attention sums may run in another order: the
+    logits agree within the fixture's forward bound (tests/test_tap_fixture.py: ~16 chained F32 reductions of
+    <= 128 terms, relative to the largest entry)."""
     prompt = tokens_of(fixture_model, license_text, 400)
     spec = SessionSpec.bounded("ahakv", 96, n_recent=8, reading="query")
     evicted: dict[int, np.ndarray] = {}  # n_past at the eviction -> the positions evicted
@@ -55,7 +58,8 @@ def test_a_guided_read_equals_a_plain_replay_of_its_evictions(fixture_model, lic
             if e.n_past in evicted:
                 e.evict(evicted[e.n_past])
         assert np.array_equal(e.live_positions(), live)
-        assert np.array_equal(replay, logits)
+        forward_rtol = 16 * 128 * F32
+        assert np.abs(replay - logits).max() <= forward_rtol * np.abs(logits).max()
 
 
 def test_reading_a_query_leaves_the_policy_and_the_cache_as_they_were(fixture_model, license_text):
@@ -113,8 +117,9 @@ def test_the_question_keeps_more_of_the_passage_it_asks_about(gemma_model, licen
     """Gemma 3 270M, a passkey at 30% of 2,048 tokens, 256 cells (8x): read plainly, the compression before
     the question arrives keeps 2 (ahakv) and 7 (snapkv) of the key sentence's 27 tokens; guided by the
     question, 13 and 16 (measured on an AVX2-only AMD EPYC)."""
-    plain, guided = needle_kept(gemma_model, license_text, policy, "plain"), needle_kept(
-        gemma_model, license_text, policy, "query"
+    plain, guided = (
+        needle_kept(gemma_model, license_text, policy, "plain"),
+        needle_kept(gemma_model, license_text, policy, "query"),
     )
     assert guided >= plain + 4, (plain, guided)
 
@@ -128,7 +133,9 @@ def test_the_drop_in_reads_a_long_prompt_with_its_question(fixture_model, licens
         ctl.read_query = lambda q: seen.append(list(q)) or real(q)
         messages = [{"role": "user", "content": f"{document}\n\nWhich version is this?"}]
         llm.create_chat_completion(messages=messages, max_tokens=2, temperature=0)
-        assert seen and seen[0] == llm.tokenize(messages[0]["content"].encode(), add_bos=False, special=False)[-128:]
+        asked = llm.tokenize(messages[0]["content"].encode(), add_bos=False, special=False)
+        # the last user message, by its last tokens: at most 128, as many as the free cells hold
+        assert seen and 8 <= len(seen[0]) <= 128 and seen[0] == asked[-len(seen[0]) :]
         seen.clear()
         llm.create_completion(f"{document}\n\nThe version is", max_tokens=2, temperature=0, kv_query=False)
         assert seen == []  # off
