@@ -68,6 +68,18 @@ def _cells(budgets: str, n_tokens: int, floor: int) -> list[int]:
     return cells
 
 
+def _lengths_and_depths(lengths: str, depths: str) -> tuple[list[int], list[float]]:
+    """--lengths '1024,2048' and --depths '0.1,0.5' checked: whole token counts, fractions in [0, 1]."""
+    try:
+        lens = [int(n) for n in lengths.split(",")]
+        deps = [float(d) for d in depths.split(",")]
+    except ValueError:
+        raise AhakvError("--lengths takes integers and --depths fractions, comma-separated") from None
+    if any(not 0 <= d <= 1 for d in deps):
+        raise AhakvError("--depths must lie between 0 and 1")
+    return lens, deps
+
+
 @click.group("eval")
 def eval_group() -> None:
     """Measure what a budget costs in quality on your own model and text."""
@@ -155,13 +167,7 @@ def eval_needle(model, filler_file, lengths, depths, budgets, policies, trials, 
 
     path = _model(model)
     filler = _read(filler_file)
-    try:
-        lens = [int(n) for n in lengths.split(",")]
-        deps = [float(d) for d in depths.split(",")]
-    except ValueError:
-        raise AhakvError("--lengths takes integers and --depths fractions, comma-separated") from None
-    if any(not 0 <= d <= 1 for d in deps):
-        raise AhakvError("--depths must lie between 0 and 1")
+    lens, deps = _lengths_and_depths(lengths, depths)
     floor = sinks + recent + 1
     cells = _cells(budgets, max(lens), floor)
     if min(cells) < floor:
@@ -225,13 +231,7 @@ def eval_longdoc(
     readings = [r.strip() for r in reading.split(",") if r.strip()]
     if not readings or any(r not in ("plain", "query", "reconstruct") for r in readings):
         raise AhakvError(f"--reading takes plain, query and reconstruct, comma-separated, not {reading!r}")
-    try:
-        lens = [int(n) for n in lengths.split(",")]
-        deps = [float(d) for d in depths.split(",")]
-    except ValueError:
-        raise AhakvError("--lengths takes integers and --depths fractions, comma-separated") from None
-    if any(not 0 <= d <= 1 for d in deps):
-        raise AhakvError("--depths must lie between 0 and 1")
+    lens, deps = _lengths_and_depths(lengths, depths)
     if min(lens) < 64:
         raise AhakvError(f"a length must be at least 64 tokens, not {min(lens)}")
     if trials < 1:

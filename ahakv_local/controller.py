@@ -199,18 +199,7 @@ class KVController:
             scores = []
             for g in self.groups:
                 seen = np.concatenate([g.live, np.arange(start, e.n_past, dtype=np.int64)])
-                stats = e.aligned(seen, flags, g.layers)
-                obs = Observation(
-                    positions=seen,
-                    n_seen=e.n_past,
-                    n_rows=e.stat_rows,
-                    budget=g.budget.target(start) or g.live.size,
-                    visible=stats.visible,
-                    attn=stats.values.get(TapFlag.ATTN),
-                    side=stats.values.get(TapFlag.SIDE),
-                    verr=stats.values.get(TapFlag.VERR),
-                    vnorm=stats.values.get(TapFlag.VNORM),
-                )
+                obs = self._observation(g, seen, flags, g.budget.target(start) or g.live.size)
                 scores.append(g.policy.query_score(obs)[: g.live.size])
         finally:
             e.truncate(start)  # the query's cells go; llama.cpp needs the next token at seq_pos_max + 1
@@ -426,13 +415,18 @@ class KVController:
         e = self.engine
         if flags & TapFlag.VERR:
             flags |= TapFlag.VNORM  # the error model divides by the value norms
-        stats = e.aligned(g.live, flags, g.layers)
         target = g.budget.target(e.n_past)
+        return self._observation(g, g.live, flags, target if target is not None else (g.decided or g.live.size))
+
+    def _observation(self, g: LayerGroup, positions: np.ndarray, flags: TapFlag, budget: int) -> Observation:
+        """The statistics of ``flags`` over the group's layers, aligned with ``positions``."""
+        e = self.engine
+        stats = e.aligned(positions, flags, g.layers)
         return Observation(
-            positions=g.live,
+            positions=positions,
             n_seen=e.n_past,
             n_rows=e.stat_rows,
-            budget=target if target is not None else (g.decided or g.live.size),
+            budget=budget,
             visible=stats.visible,
             attn=stats.values.get(TapFlag.ATTN),
             side=stats.values.get(TapFlag.SIDE),

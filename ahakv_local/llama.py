@@ -31,7 +31,7 @@ import llama_cpp
 import numpy as np
 
 from . import native, upstream
-from .budget import QUERY_TOKENS, Budget, cells_for, guide_room
+from .budget import QUERY_TOKENS, Budget, cells_for
 from .controller import ControllerStats, KVController
 from .engine import Engine
 from .errors import AhakvError
@@ -171,8 +171,7 @@ class Llama(llama_cpp.Llama):
         n_batch = min(n_batch, n_ctx) if budget.mode != "cells" else n_batch
         # the cells of a sequence read n_batch tokens at a time (ratio/auto: the caller's n_ctx bounds them),
         # with room for the question a long prompt is read with
-        reading = {True: "query", "reconstruct": "reconstruct"}.get(kv_query, "plain")
-        room = guide_room(reading, kwargs.get("n_ubatch", n_batch)) if spec.make_policy().reads_with_query else 0
+        room = spec.room(kwargs.get("n_ubatch", n_batch))
         cells = cells_for(budget, n_batch, n_ctx, room) if budget.mode == "cells" else n_ctx
         if budget.mode == "bytes" or kv_layer_budgets != "shared":
             # every cache sized exactly as the budget is laid out on the layer groups (budget.allocate)

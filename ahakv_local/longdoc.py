@@ -322,7 +322,7 @@ def run_longdoc(
         items = None
         for spec in spec_list[length]:
             with open_session(model, spec, length + most, n_ubatch) as session:
-                engine, ctl = session.engine, session.controller
+                engine = session.engine
                 if items is None:  # tokenization is the model's, whatever the spec
                     items = make_items(engine, Filler(engine, filler_texts), tasks, length, depths, trials, seed)
                 for trial, item in items:
@@ -330,14 +330,7 @@ def run_longdoc(
                     start = time.perf_counter()
                     logits = session.read(item.prompt, item.question)
                     seconds = time.perf_counter() - start
-                    peak, out = ctl.live.size, []
-                    for _ in range(answer_tokens or ANSWER_TOKENS[item.task]):  # greedy
-                        tok = int(np.argmax(logits))
-                        if engine.is_eog(tok):
-                            break
-                        out.append(tok)
-                        logits = ctl.step(tok)
-                        peak = max(peak, ctl.live.size)
+                    out, peak = session.answer(logits, answer_tokens or ANSWER_TOKENS[item.task])
                     answer = engine.detokenize(out).strip()
                     score = item.score(answer)
                     results.append(

@@ -86,15 +86,7 @@ def run_needle(
             for (length, depth, _), key in keys.items():
                 prompt = build_prompt(engine, filler, length, depth, key)
                 session.reset()  # an empty cache and a fresh policy for every trial
-                logits = ctl.prefill(prompt)
-                peak, out = ctl.live.size, []
-                for _ in range(answer_tokens):  # greedy
-                    tok = int(np.argmax(logits))
-                    if engine.is_eog(tok):
-                        break
-                    out.append(tok)
-                    logits = ctl.step(tok)
-                    peak = max(peak, ctl.live.size)
+                out, peak = session.answer(ctl.prefill(prompt), answer_tokens)
                 answer = engine.detokenize(out)
                 solved = answer_key(answer) == key
                 results.append(
