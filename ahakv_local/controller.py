@@ -80,6 +80,7 @@ class ControllerStats:
     tokens_seen: int = 0
     evicted: int = 0
     evictions: int = 0  # native eviction calls
+    guide_tokens: int = 0  # tokens decoded to guide a reading (questions, repetitions), then removed
     retained_mass: list[float] = field(default_factory=list)  # per layer, at the last eviction
 
     @property
@@ -196,6 +197,7 @@ class KVController:
         e.reset_stats()
         try:
             e.decode(list(query))
+            self.stats.guide_tokens += len(query)
             scores = []
             for g in self.groups:
                 seen = np.concatenate([g.live, np.arange(start, e.n_past, dtype=np.int64)])

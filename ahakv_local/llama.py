@@ -107,6 +107,7 @@ class KVStats:
     generated_tokens: int  # decoded one at a time (the generation speed's basis)
     generation_tps: float
     sampled_tokens: int = 0  # tokens sampled since the timings were reset (a completion's length, end of turn included)
+    guide_tokens: int = 0  # tokens decoded to guide long prompts' readings (a question behind each chunk), all told
     # by layer group ("shared", or "base" and "sliding"): [allocated, used] K+V bytes
     kv_group_bytes: dict[str, list[int]] = field(default_factory=dict)
 
@@ -245,7 +246,9 @@ class Llama(llama_cpp.Llama):
 
     def create_chat_completion(self, messages, *args, kv_query: bool | str | None = None, **kwargs):
         """llama-cpp-python's; a long conversation is read guided by its last user message by default."""
-        if kv_query is None and self._kv_query_default is True:
+        if kv_query is None:
+            kv_query = self._kv_query_default
+        if kv_query is True:  # the question is the last user message, not the template's last paragraph
             users = [m.get("content") for m in messages if m.get("role") == "user"]
             kv_query = users[-1] if users and isinstance(users[-1], str) else None
         self._chat_question = kv_query
@@ -402,5 +405,6 @@ class Llama(llama_cpp.Llama):
             generated_tokens=t["gen_tokens"],
             generation_tps=t["gen_tokens"] / t["gen_s"] if t["gen_s"] else 0.0,
             sampled_tokens=t["sampled"],
+            guide_tokens=stats.guide_tokens,
             kv_group_bytes={k: list(v) for k, v in self._kv.group_bytes().items()} if self._kv is not None else {},
         )

@@ -3,7 +3,8 @@
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (``stream: true`` sends
 server-sent events, ending with ``data: [DONE]``), GET /v1/kv/stats, GET /health (200 when the model is
 free, 503 while a request holds it). Besides the OpenAI fields a request may carry ``kv_budget`` and
-``kv_policy``; they apply to that request only and are checked together before anything changes.
+``kv_policy``; they apply to that request only and are checked together before anything changes. ``kv_query``
+is the question a prompt longer than the budget is read with (see ``Llama``'s ``kv_query``).
 
 One request runs at a time. Each is a Job that one worker thread runs from start to end: wait for the
 model (503 after ``busy_timeout``), check and apply its settings, generate, restore the server's settings
@@ -55,6 +56,9 @@ class KVFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     kv_budget: int | float | str | None = None
     kv_policy: str | None = None
+    # the question a prompt longer than the budget is read with: text, true (chat: the last user message;
+    # completion: the prompt's last paragraph), false (plainly) or "reconstruct"; null: the server's default
+    kv_query: bool | str | None = None
 
 
 class CompletionRequest(KVFields):
@@ -261,6 +265,7 @@ class Runner:
             "seed": None if req.seed is None else req.seed & 0xFFFFFFFF,
             "presence_penalty": req.presence_penalty,
             "frequency_penalty": req.frequency_penalty,
+            "kv_query": req.kv_query,
         }
         return {k: v for k, v in kw.items() if v is not None}
 

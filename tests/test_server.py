@@ -353,3 +353,23 @@ def test_an_unexpected_error_is_a_500_and_frees_the_model():
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_per_request_question_guides_a_long_prompt(client, server):
+    """kv_query reaches the reading: a question is decoded behind every chunk but the last of a prompt past the
+    budget (guide_tokens counts them), false reads it plainly, and a value of the wrong type is a 400."""
+    prompt = "The licensee may copy and distribute the program. " * 40 + "\n\nWho may copy the program?"
+
+    def guided_tokens(kv_query) -> int:
+        before = call(server, "/v1/kv/stats")[1]["guide_tokens"]
+        client.completions.create(
+            model="local", prompt=prompt, max_tokens=1, temperature=0, extra_body={"kv_query": kv_query}
+        )
+        return call(server, "/v1/kv/stats")[1]["guide_tokens"] - before
+
+    question = guided_tokens("Who may copy the program?")
+    assert question > 0 and question % 6 == 0  # "Who may copy the program?" is 6 Gemma tokens, whole per pass
+    assert guided_tokens(False) == 0
+    assert guided_tokens(True) == question  # the prompt's last paragraph is the same question
+    status, body = call(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "kv_query": 5})
+    assert status == 400 and "kv_query" in body["error"]["message"]
