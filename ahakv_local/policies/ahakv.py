@@ -48,6 +48,7 @@ class AhaKV(Policy):
     holistic_weights: bool = True  # (b) adaptive w(h, l); off: uniform
     error_model: bool = True  # (c) relative distance ||v - o|| / ||o|| instead of the value prior
     weight_smoothing: float = 0.9
+    query_kernel: int = 1  # guided reading: average-pool the question's score over this many neighbours
 
     ring: RecentSum = field(init=False)
     weights: np.ndarray | None = field(default=None, init=False)
@@ -156,7 +157,7 @@ class AhaKV(Policy):
         w = None
         if self.holistic_weights and self.weights is not None and self.weights.shape == mass.shape[:2]:
             w = self.weights / self.weights.mean()
-        return holistic_sum(mass, obs.visible, w) / max(obs.n_rows, 1)
+        return avg_pool(holistic_sum(mass, obs.visible, w) / max(obs.n_rows, 1), self.query_kernel)
 
     def truncate(self, n: int) -> None:
         self.ring.truncate(n)
