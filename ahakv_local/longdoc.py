@@ -362,16 +362,23 @@ def mean_scores(trials: Sequence[LongdocTrial]) -> tuple[list[str], list[tuple[s
 
 
 def accuracy_table(trials: Sequence[LongdocTrial]) -> list[str]:
-    """Markdown: the mean score per configuration (rows, the full cache first) and task x length, and the
-    average over the columns it has."""
+    """Markdown: the mean score per configuration (rows, the full cache first) and task x length, the average
+    over the columns it has, and the mean prompt-reading time with, for a guided reading, its ratio to the same
+    policy and compression read plainly (the guidance's cost, measured in the same run)."""
     labels, columns, means = mean_scores(trials)
+    read_s: dict[str, list[float]] = {}
+    for t in trials:
+        read_s.setdefault(t.label, []).append(t.prompt_seconds)
+    read = {label: float(np.mean(v)) for label, v in read_s.items()}
     lines = [
-        "| configuration | " + " | ".join(f"{task} {n}" for task, n in columns) + " | average |",
-        "|---|" + "---:|" * (len(columns) + 1),
+        "| configuration | " + " | ".join(f"{task} {n}" for task, n in columns) + " | average | read s | x plain |",
+        "|---|" + "---:|" * (len(columns) + 3),
     ]
     for label in labels:
         row = [means.get((label, task, n)) for task, n in columns]
         have = [v for v in row if v is not None]
         cells = ["" if v is None else f"{v:.0%}" for v in row]
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {np.mean(have):.0%} |")
+        plain = read.get(label.split("+")[0]) if "+" in label else None
+        ratio = f"{read[label] / plain:.2f}" if plain else ""
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {np.mean(have):.0%} | {read[label]:.2f} | {ratio} |")
     return lines

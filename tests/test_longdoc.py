@@ -152,17 +152,21 @@ def test_compressions_and_the_configurations_per_length():
 
 
 def test_the_table_puts_the_full_cache_first_and_averages():
-    def trial(label, task, length, score):
-        return LongdocTrial(label, label, NO_EVICTION, "plain", task, length, 0.5, 0, "1", "", score, score == 1, 1, 0)
+    def trial(label, task, length, score, seconds=1.0):
+        return LongdocTrial(
+            label, label, NO_EVICTION, "plain", task, length, 0.5, 0, "1", "", score, score == 1, 1, seconds
+        )
 
     rows = [
-        trial("h2o@4x", "single", 100, 0.0), trial("full", "single", 100, 1.0), trial("full", "single", 100, 0.0),
-        trial("full", "fact", 200, 1.0), trial("h2o@4x", "fact", 200, 1.0),
+        trial("h2o@4x", "single", 100, 0.0, 2.0), trial("full", "single", 100, 1.0), trial("full", "single", 100, 0.0),
+        trial("full", "fact", 200, 1.0, 4.0), trial("h2o@4x", "fact", 200, 1.0, 2.0),
+        trial("h2o@4x+query", "fact", 200, 1.0, 2.5), trial("h2o@4x+query", "single", 100, 1.0, 3.5),
     ]  # fmt: skip
     lines = accuracy_table(rows)
-    assert lines[0] == "| configuration | single 100 | single 200 | fact 100 | fact 200 | average |"
-    assert lines[2] == "| full | 50% |  |  | 100% | 75% |"
-    assert lines[3] == "| h2o@4x | 0% |  |  | 100% | 50% |"
+    assert lines[0] == "| configuration | single 100 | single 200 | fact 100 | fact 200 | average | read s | x plain |"
+    assert lines[2] == "| full | 50% |  |  | 100% | 75% | 2.00 |  |"
+    assert lines[3] == "| h2o@4x | 0% |  |  | 100% | 50% | 2.00 |  |"
+    assert lines[4] == "| h2o@4x+query | 100% |  |  | 100% | 100% | 3.00 | 1.50 |"  # (2.5 + 3.5) / 2 / 2.0
 
 
 def longdoc(*args: str) -> subprocess.CompletedProcess:
