@@ -373,3 +373,20 @@ def test_per_request_question_guides_a_long_prompt(client, server):
     assert guided_tokens(True) == question  # the prompt's last paragraph is the same question
     status, body = call(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "kv_query": 5})
     assert status == 400 and "kv_query" in body["error"]["message"]
+
+
+def test_a_chat_request_asking_kv_query_true_is_guided_by_its_last_user_message(client, server):
+    """kv_query true on a chat means the last user message (as the default does), not the chat template's last
+    paragraph: the same question tokens are decoded as when that message's text is given explicitly."""
+    question = "The licensee may copy and distribute the program. " * 40 + "\n\nWho may copy the program?"
+    messages = [{"role": "user", "content": question}]
+
+    def guided_tokens(kv_query) -> int:
+        before = call(server, "/v1/kv/stats")[1]["guide_tokens"]
+        client.chat.completions.create(
+            model="local", messages=messages, max_tokens=1, temperature=0, extra_body={"kv_query": kv_query}
+        )
+        return call(server, "/v1/kv/stats")[1]["guide_tokens"] - before
+
+    explicit = guided_tokens(question)
+    assert explicit > 0 and guided_tokens(True) == explicit
