@@ -1,0 +1,58 @@
+"""Tune a policy's guided reading on filler texts the reports do not use (GFDL-1.3, LGPL-2.1, MPL-1.1: the
+RESULTS tables read GPL-3), so that what is tuned here is judged there on text it never saw.
+
+    python benchmarks/tune_guided.py '{"aha": ["ahakv", {}], "aha-k7": ["ahakv", {"query_kernel": 7}],
+        "snap": ["snapkv", {}]}' --compressions 4 --tasks single
+
+prints, per variant and compression, the mean score and one digit per item (1 = solved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from ahakv_local.longdoc import run_longdoc
+from ahakv_local.models import default_model_path
+from ahakv_local.session import SessionSpec
+
+TUNING_TEXTS = ("GFDL-1.3", "LGPL-2.1", "MPL-1.1")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("variants", help="JSON {label: [policy, params]}")
+    ap.add_argument("--compressions", default="4")
+    ap.add_argument("--tasks", default="single")
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    variants = json.loads(args.variants)
+    factors = [float(c) for c in args.compressions.split(",")]
+    texts = [Path(f"/usr/share/common-licenses/{name}").read_text() for name in TUNING_TEXTS]
+
+    def rule(n: int) -> list[SessionSpec]:
+        return [
+            SessionSpec.bounded(policy, int(n / c), label=f"{label}@{c:g}x", reading="query", params=params)
+            for c in factors
+            for label, (policy, params) in variants.items()
+        ]
+
+    start = time.time()
+    depths = [float(d) for d in args.depths.split(",")]
+    trials = run_longdoc(
+        default_model_path(), rule, args.tasks.split(","), [args.length], depths, filler_texts=texts, seed=args.seed
+    )
+    scores: dict[str, list[float]] = {}
+    for t in trials:
+        scores.setdefault(t.label, []).append(t.score)
+    for label, s in scores.items():
+        print(f"{label:40s} {sum(s) / len(s):.2f}  {''.join('1' if x == 1 else '0' for x in s)}")
+    print(f"{time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
