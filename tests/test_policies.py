@@ -196,3 +196,20 @@ def test_unknown_policy_is_a_clear_error():
 
     with pytest.raises(AhakvError, match="unknown policy 'h3o'; choose from full, streaming"):
         make_policy("h3o")
+
+
+def test_ahakv_question_scored_by_its_plain_attention():
+    """query_mass="attention": the question's rows count by what they look at (FINCH/SnapKV), pooled over
+    query_kernel neighbours; the running score joins with query_own_share, each scaled to mean 1."""
+    obs = synthetic_steps(steps=1)[0]
+    p = make_policy("ahakv", query_mass="attention", query_kernel=3, query_own_share=0.25, holistic_weights=False)
+    raw = np.array([visible_mean(obs.attn, j) for j in range(N)])
+    pooled = np.array([raw[max(0, j - 1) : j + 2].mean() for j in range(N)])
+    got = p.query_score(obs)
+    np.testing.assert_allclose(got, pooled, rtol=POLICY_RTOL)
+    own = np.arange(1.0, N + 1)
+    np.testing.assert_allclose(
+        p.with_query(own, got), pooled / pooled.mean() + 0.25 * own / own.mean(), rtol=POLICY_RTOL
+    )
+    with pytest.raises(ValueError, match="query_mass"):
+        make_policy("ahakv", query_mass="loud").query_score(obs)

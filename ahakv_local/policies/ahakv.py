@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..native import TapFlag
-from .base import Observation, Policy, RecentSum, avg_pool, holistic_sum, kv_to_query_heads
+from .base import Observation, Policy, RecentSum, avg_pool, holistic_sum, kv_to_query_heads, unit_mean
 
 
 @dataclass
@@ -48,7 +48,12 @@ class AhaKV(Policy):
     holistic_weights: bool = True  # (b) adaptive w(h, l); off: uniform
     error_model: bool = True  # (c) relative distance ||v - o|| / ||o|| instead of the value prior
     weight_smoothing: float = 0.9
-    query_kernel: int = 1  # guided reading: average-pool the question's score over this many neighbours
+    # guided reading: what the question's rows score ("error": as a decode step, below; "attention": their
+    # plain attention, as FINCH/SnapKV), pooled over ``query_kernel`` neighbours, and the share of the running
+    # score that still counts beside it
+    query_mass: str = "error"
+    query_kernel: int = 1
+    query_own_share: float = 0.5
 
     ring: RecentSum = field(init=False)
     weights: np.ndarray | None = field(default=None, init=False)
@@ -146,18 +151,28 @@ class AhaKV(Policy):
         return self.tap_flags(0)
 
     def query_score(self, obs: Observation) -> np.ndarray:
-        """The question's rows scored as a decode step is, without touching the running state: sharpened
-        attention times the relative distance ||v - o|| / ||o|| of the question's outputs (what evicting a
-        token would change in them), over all layers and heads with the learned head weights."""
-        mass = obs.side if self.sg_softmax and obs.side is not None else obs.attn
-        if self.error_model and obs.verr is not None and obs.vnorm is not None:
-            mass = mass * self._relative_distance(obs)
-        elif self.value_prior and obs.vnorm is not None:
-            mass = mass * self._value_prior(obs)
+        """The question's rows, without touching the running state, over all layers and heads with the learned
+        head weights. "error": scored as a decode step is (sharpened attention times the relative distance
+        ||v - o|| / ||o|| of the question's outputs: what evicting a token would change in them); "attention":
+        their plain attention, what the question looks at."""
+        if self.query_mass == "attention":
+            mass = obs.attn
+        elif self.query_mass == "error":
+            mass = obs.side if self.sg_softmax and obs.side is not None else obs.attn
+            if self.error_model and obs.verr is not None and obs.vnorm is not None:
+                mass = mass * self._relative_distance(obs)
+            elif self.value_prior and obs.vnorm is not None:
+                mass = mass * self._value_prior(obs)
+        else:
+            raise ValueError(f"query_mass must be 'error' or 'attention', not {self.query_mass!r}")
         w = None
         if self.holistic_weights and self.weights is not None and self.weights.shape == mass.shape[:2]:
             w = self.weights / self.weights.mean()
         return avg_pool(holistic_sum(mass, obs.visible, w) / max(obs.n_rows, 1), self.query_kernel)
+
+    def with_query(self, own: np.ndarray, query: np.ndarray) -> np.ndarray:
+        """As every policy (``Policy.with_query``), with the running score's share a setting."""
+        return unit_mean(query) + self.query_own_share * unit_mean(own)
 
     def truncate(self, n: int) -> None:
         self.ring.truncate(n)
