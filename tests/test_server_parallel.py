@@ -24,6 +24,8 @@ from ahakv_local.parallel import Generation, Sampling, SequencePool
 from ahakv_local.policies import make_policy
 from ahakv_local.session import SessionSpec
 
+from numerics import sum_rtol
+
 CHUNK = 16
 # (policy, budget, evict_every, observe_steps, prompt tokens): AhaKV's side pass scale follows each sequence's
 # own length; H2O sums unobserved steps in the tap; TOVA reads one row; different budgets and schedules
@@ -70,6 +72,7 @@ def test_batched_steps_equal_each_sequence_alone(fixture_model, license_text):
             for c, (_, budget, *_) in zip(ctls, SEQS, strict=True):
                 assert c.live.size <= budget  # each sequence holds its own budget at every step
         cell_maps = [v.cell_positions() for v in views]
+        n_cells = e.n_cells()
         for v, c in zip(views, ctls, strict=True):
             np.testing.assert_array_equal(v.live_positions(), c.live)
             assert c.stats.evicted == v.n_past - c.live.size  # every position it lost, it evicted itself
@@ -81,8 +84,13 @@ def test_batched_steps_equal_each_sequence_alone(fixture_model, license_text):
         assert outs[s] == out, policy
         np.testing.assert_array_equal(ctls[s].live, live)
         drift = max(float(np.abs(r[s] - a).max()) for r, a in zip(rows, alone_rows, strict=True))
-        # F32 logits of magnitude ~10 summed in another order: a few ulps of the largest terms
-        assert drift < 1e-3, (policy, drift)
+        # float order only: the attention sums meet the cells in another order (sum_rtol(n_cells) = 6.1e-5
+        # relative each), and a batch of 4 rows takes other matmul kernels than one row; through the fixture's
+        # peaked attention (qk_gain 3) that compounds to 2.7e-4 of the largest logit (measured, snapkv, 40
+        # steps). Bound: 1e-3 relative, ~4x the measurement and 16x one sum's bound; a wrong statistic or
+        # eviction shows in the tokens and live sets above, exactly
+        scale = max(float(np.abs(a).max()) for a in alone_rows)
+        assert drift < max(16 * sum_rtol(n_cells), 1e-3) * scale, (policy, drift, scale)
 
 
 def test_a_sequence_reset_leaves_the_others_statistics(fixture_model, license_text):
