@@ -350,7 +350,6 @@ class ParallelRunner:
         self.waiting: collections.deque = collections.deque()
         self.cond = threading.Condition()
         self.shutdown = threading.Event()
-        self.stats = pool.stats()
         threading.Thread(target=self._loop, name="ahakv-scheduler", daemon=True).start()
 
     async def submit(self, request: Request, req: KVFields, kind: str, payload) -> Response:
@@ -386,7 +385,6 @@ class ParallelRunner:
                     gen.emit("", f"error: {type(exc).__name__}: {exc}")
                 pool.active.clear()
                 pool.next_token.clear()
-            self.stats = pool.stats()
 
     def _busy_message(self, job: Job) -> str:
         if self.shutdown.is_set():
@@ -432,7 +430,8 @@ class ParallelRunner:
         return error(503, "the server is busy: every sequence slot is taken")
 
     def kv_stats(self) -> dict:
-        return self.stats
+        """Read from the controllers' Python figures (a request's slot is free before its answer is posted)."""
+        return self.pool.stats()
 
 
 class Reply:
