@@ -227,7 +227,9 @@ def test_parallel_needs_a_cell_budget(fixture_model):
 
 # -- Gemma -----------------------------------------------------------------------------------------------------
 
-GEMMA_DRIFT = 1.0  # measured: up to 0.73 in the first token's logits between alone and together (see below)
+# the float-order drift of Gemma's prompt logits between a sequence alone and among others: 0.73 measured in an earlier
+# session, 0.938 in this one (same test); a sequence reading another's cells would move them by several units
+GEMMA_DRIFT = 2.0
 
 
 def test_gemma_sequences_hold_their_budgets_and_agree_where_the_choice_is_clear(gemma_model, license_text):
@@ -236,7 +238,7 @@ def test_gemma_sequences_hold_their_budgets_and_agree_where_the_choice_is_clear(
     measured in an earlier run), so whole answers may differ from the one-at-a-time answers where two tokens
     are close. Asserted: every sequence holds its budget, every answer is non-empty, the first tokens'
     logits move by less than GEMMA_DRIFT, and the first token equals the alone-run's wherever the alone-run's
-    margin between its top two logits exceeds twice that drift."""
+    margin between its top two logits exceeds the drift measured in this run (3/8 did at a 2.0 margin here)."""
     budgets = [48, 64, 80, 96, 48, 64, 80, 96]
     spec = SessionSpec.bounded("ahakv", 96, n_recent=16, reading="plain")
     cells = SequencePool.context_cells(spec.budget, 4, 64, 0)
@@ -283,8 +285,9 @@ def test_gemma_sequences_hold_their_budgets_and_agree_where_the_choice_is_clear(
     for a, b, logits in zip(alone, both, alone_first, strict=True):
         assert a and b  # non-empty answers
         top2 = np.sort(logits)[-2:]
-        if top2[1] - top2[0] > 2 * GEMMA_DRIFT:
+        if top2[1] - top2[0] > drift:
             clear += 1
             assert a[0] == b[0]
+    assert clear >= 1  # the check above ran
     print(f"gemma: first-token drift {drift:.3f}, {clear}/8 clear first choices, "
           f"{sum(a == b for a, b in zip(alone, both, strict=True))}/8 whole answers equal")  # fmt: skip
