@@ -276,6 +276,10 @@ class Engine:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self._model.detokenize(list(tokens)).decode(errors="replace")
 
+    def chat_prompt(self, messages: list[dict]) -> tuple[list[int], list[str]]:
+        """(tokens, stop strings) of chat ``messages`` with the model's own template (``upstream.chat_prompt``)."""
+        return upstream.chat_prompt(self._model, messages)
+
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends a generation (end of sequence, end of turn)."""
         return bool(self._llama_cpp.llama_vocab_is_eog(self._model.vocab, token))

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import upstream
 from .budget import QUERY_TOKENS, Budget, cells_for
 from .controller import ControllerStats, Reconstruct, step_batch
 from .engine import Engine
@@ -231,7 +230,7 @@ def prompt_of(engine: Engine, kind: str, payload, kv_query, default_query) -> tu
     """(prompt tokens, stop strings, what the prompt is read with) of a chat ("chat", messages) or completion
     ("completion", text) request, as the one-at-a-time server's ``Llama`` builds them."""
     if kind == "chat":
-        tokens, stop = upstream.chat_prompt(engine._model, payload)
+        tokens, stop = engine.chat_prompt(payload)
         users = [m["content"] for m in payload if m["role"] == "user"]
         question = users[-1] if users else None
     else:
