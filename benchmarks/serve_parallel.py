@@ -8,6 +8,10 @@ the command that made it.
 
     python benchmarks/serve_parallel.py [MODEL] [--parallel 4] [--requests 8] [--max-tokens 64] [--budget 128]
                                         [--threads 2] [--rounds 2]
+
+``--engine POLICY`` measures one layer down instead, in one process: ``--parallel`` sequences of one context
+after a 150-token prompt each, ``--max-tokens`` decode steps of all of them in one llama_decode each
+(``step_batch``) against the same steps taken one sequence at a time (``KVController.step``), interleaved.
 """
 
 from __future__ import annotations
@@ -80,6 +84,47 @@ def one_round(base: str, n: int, max_tokens: int) -> tuple[float, int, list[floa
     return time.perf_counter() - t0, sum(k for _, k in out), [s for s, _ in out]
 
 
+def engine_run(a) -> None:
+    import numpy as np
+
+    from ahakv_local.controller import step_batch
+    from ahakv_local.engine import Engine, EngineConfig
+    from ahakv_local.models import resolve_model
+    from ahakv_local.parallel import SequencePool
+    from ahakv_local.session import SessionSpec
+
+    spec = SessionSpec.bounded(a.engine, a.budget)
+    cells = SequencePool.context_cells(spec.budget, a.parallel, 64, 0)
+    config = EngineConfig(n_ctx=cells, n_batch=64, n_ubatch=64, n_seq=a.parallel, n_threads=a.threads)
+    with Engine(resolve_model(a.model or None), config) as e:
+        pool = SequencePool(e, spec)
+        ctls = pool.controllers
+        words = TEXT.split()
+        times = {"batched": 0.0, "one at a time": 0.0}
+        for _ in range(a.rounds):
+            for mode in times:
+                tokens = []
+                for i, c in enumerate(ctls):
+                    c.truncate(0)
+                    logits = c.prefill(e.tokenize(" ".join(words[200 * i : 200 * i + 110]))[:150])
+                    tokens.append(int(np.argmax(logits)))
+                t0 = time.perf_counter()
+                for _ in range(a.max_tokens):
+                    if mode == "batched":
+                        rows = step_batch(ctls, tokens)
+                    else:
+                        rows = [c.step(t) for c, t in zip(ctls, tokens, strict=True)]
+                    tokens = [int(np.argmax(r)) for r in rows]
+                times[mode] += time.perf_counter() - t0
+    n = a.rounds * a.max_tokens * a.parallel
+    print(f"`python benchmarks/serve_parallel.py {' '.join(sys.argv[1:])}` on {os.cpu_count()} cores, load "
+          f"{os.getloadavg()[0]:.1f} at the end\n")  # fmt: skip
+    print("| decode | tokens/s |\n|---|---|")
+    for mode, t in times.items():
+        print(f"| {mode} | {n / t:.1f} |")
+    print(f"\nratio: {times['one at a time'] / times['batched']:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default="")
@@ -89,7 +134,11 @@ def main() -> None:
     ap.add_argument("--budget", default="128")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--engine", metavar="POLICY", help="measure step_batch against single steps in-process")
     a = ap.parse_args()
+    if a.engine:
+        engine_run(a)
+        return
     common = ["--budget", a.budget, "--threads", str(a.threads), "--reading", "plain"]
     rows = {}
     for label, extra in (("one at a time", []), (f"--parallel {a.parallel}", ["--parallel", str(a.parallel)])):
