@@ -319,15 +319,71 @@ def info(model, budget, ctx_size) -> None:
     envvar="AHAKV_MAX_TOKENS_LIMIT",
     help="Most tokens one answer generates; a request's max_tokens of 0, null or more is cut to it.",
 )
-def serve(model, host, port, max_tokens_limit, **engine) -> None:
+@click.option(
+    "--parallel",
+    type=Positive,
+    default=1,
+    show_default=True,
+    envvar="AHAKV_PARALLEL",
+    help="Requests served at once: sequences sharing one context, one token each per decode (needs a cell budget).",
+)
+def serve(model, host, port, max_tokens_limit, parallel, **engine) -> None:
     """An OpenAI-compatible server (completions, chat completions, streaming; /health, /v1/kv/stats)."""
     require("serve")
     from .server import create_app, run_server
 
-    llm = load_llama(model, **engine)
-    app = create_app(llm, model_name=llm.model_path.rsplit("/", 1)[-1], max_tokens_limit=max_tokens_limit)
-    click.echo(f"serving {llm.model_path} on http://{host}:{port}/v1", err=True)
+    if parallel > 1:
+        pool = load_pool(model, parallel, **engine)
+        path = pool.engine.path
+        query = {"query": True, "plain": False}.get(engine["reading"], engine["reading"])
+        app = create_app(pool, model_name=path.name, max_tokens_limit=max_tokens_limit, default_query=query)
+    else:
+        llm = load_llama(model, **engine)
+        path = llm.model_path
+        app = create_app(llm, model_name=llm.model_path.rsplit("/", 1)[-1], max_tokens_limit=max_tokens_limit)
+    click.echo(f"serving {path} on http://{host}:{port}/v1", err=True)
     run_server(app, host, port)
+
+
+def load_pool(
+    model, parallel, ctx_size, budget, policy, sinks, recent, error_tol, evict_every, observe_steps, threads,
+    n_gpu_layers, batch_size, reading="query", layer_budgets="shared", **extra,
+):  # fmt: skip
+    """``parallel`` sequence slots of one context for ``serve --parallel``; every user mistake is an AhakvError."""
+    from .budget import Budget, parse_schedule
+    from .session import SessionSpec
+
+    if budget is None or Budget.parse(budget).mode != "cells":
+        raise AhakvError("--parallel needs --budget in cells: each sequence holds its own budget in one context")
+    if layer_budgets != "shared":
+        raise AhakvError("--parallel needs --layer-budgets shared")
+    evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
+    spec = SessionSpec.bounded(
+        policy, budget, n_sink=sinks, n_recent=recent, evict_every=evict_every, observe_steps=observe_steps,
+        reading=reading,
+    )  # fmt: skip
+    from .info import read_info
+    from .models import resolve_model
+    from .native import lib
+
+    path = resolve_model(model, progress=True)
+    read_info(path)  # a clear error for an unsupported architecture before llama.cpp tries
+    lib()  # refuse an unpatched or missing engine with one line
+    from .engine import Engine, EngineConfig
+    from .parallel import SequencePool
+
+    batch_size = batch_size or 64
+    cells = SequencePool.context_cells(spec.budget, parallel, batch_size, spec.room(batch_size))
+    config = EngineConfig(
+        n_ctx=cells, n_batch=batch_size, n_ubatch=batch_size, n_threads=threads, n_gpu_layers=n_gpu_layers,
+        n_seq=parallel,
+    )  # fmt: skip
+    engine = Engine(path, config)
+    try:
+        return SequencePool(engine, spec)
+    except BaseException:
+        engine.close()
+        raise
 
 
 from .cli_eval import bench_group, eval_group  # noqa: E402  (the subcommands need `main` defined first)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .budget import Allocation, Budget, LayerBudgets, allocate, cells_for
-from .engine import Engine
+from .engine import Engine, decode_batch
 from .errors import AhakvError
 from .groups import LayerGroup, make_groups
 from .native import TapFlag
@@ -246,14 +246,13 @@ class KVController:
 
         The schedule follows the position, not a step counter, so the same tokens meet the same
         evictions whatever came before (a rewind, another request): greedy output is reproducible."""
+        return step_batch([self], [token])[0]
+
+    def _step_phase(self) -> tuple[int, bool]:
+        """(the position's phase in the eviction period, whether this step is observed)."""
         every, watch = self.config.evict_every, self.config.observe_steps
         phase = self.engine.n_past % every
-        observe = watch is None or phase >= every - watch
-        logits = self._decode([token], 1, False, observe)
-        self.step_count += 1
-        if phase == every - 1:
-            self.evict()
-        return logits
+        return phase, watch is None or phase >= every - watch
 
     def check_floor(self, budget: Budget) -> None:
         """Refuse a budget that leaves a group too few cells for the protected positions and the steps between
@@ -300,6 +299,16 @@ class KVController:
             g.budget = held
         return self.evict()
 
+    def configure(self, budget: Budget, policy: Policy) -> None:
+        """Check ``budget`` with ``policy`` together, then make them the ones in force: the configured budget,
+        every group's eviction target (``allocation``) and the policy. Nothing is evicted now; the caller
+        usually starts a new sequence next (``truncate(0)``)."""
+        self.check_budget(budget, policy)
+        self.config.budget = budget
+        for g, held in zip(self.groups, self.allocation(budget).groups, strict=True):
+            g.budget = held
+        self.set_policy(policy)
+
     def fits(self, budget: Budget) -> bool:
         """Whether the allocated cells of every cache hold its group's budget plus one prompt chunk and the
         newest token."""
@@ -336,7 +345,10 @@ class KVController:
         self.stats.tokens_seen = self.engine.n_past
 
     def truncate(self, n: int) -> None:
-        """Rewind to position n: forget every position >= n (cells, bookkeeping and policy state)."""
+        """Rewind to position n: forget every position >= n (cells, bookkeeping and policy state). At the
+        current position (n > 0) nothing is forgotten: the steps the tap summed but nobody read yet stay."""
+        if 0 < n == self.engine.n_past:
+            return
         if n < self.engine.n_past:
             self.engine.truncate(n)
         self.engine.n_past = n
@@ -370,6 +382,16 @@ class KVController:
         return flags
 
     def _decode(self, tokens: list[int], window: int, all_logits: bool, observe: bool = True) -> np.ndarray:
+        flags = self._before_decode(len(tokens), observe)
+        self._set_tap(flags, window)
+        start = self.engine.n_past
+        logits = self.engine.decode(tokens, all_logits)
+        self._after_decode(start, flags, observe)
+        return logits
+
+    def _before_decode(self, n_tokens: int, observe: bool) -> TapFlag:
+        """Everything before a decode of ``n_tokens`` but the tap flags, which a batch of several sequences sets
+        once for all (their union); returns this sequence's flags."""
         e = self.engine
         flags = self._flags(self.step_count)
         if not observe:
@@ -378,14 +400,15 @@ class KVController:
             flags &= TapFlag.VNORM | (TapFlag.ATTN if self.policy.accumulates else TapFlag(0))
         elif self._pending:
             self._observe_block()
-        self._set_tap(flags, window)
         if flags & TapFlag.SIDE:
-            target = self.groups[0].budget.target(e.n_past + len(tokens)) or self.stats.budget or len(tokens)
-            e.set_side_scale(self.policy.side_scale(e.n_past + len(tokens), target))
+            target = self.groups[0].budget.target(e.n_past + n_tokens) or self.stats.budget or n_tokens
+            e.set_side_scale(self.policy.side_scale(e.n_past + n_tokens, target))
         if observe or (flags & TapFlag.ATTN and not self._pending):  # a new observation or a new block
             e.reset_stats()
-        start = e.n_past
-        logits = e.decode(tokens, all_logits)
+        return flags
+
+    def _after_decode(self, start: int, flags: TapFlag, observe: bool) -> None:
+        e = self.engine
         for g in self.groups:
             # a sliding cache may have handed cells of positions that left its window to the new tokens
             new = np.arange(start, e.n_past, dtype=np.int64)
@@ -398,12 +421,13 @@ class KVController:
             self._pending += 1
         self.stats.tokens_seen = e.n_past
         self.stats.cells_used = self.live.size
-        return logits
 
     def _set_tap(self, flags: TapFlag, window: int) -> None:
-        if self._tap != (flags, window):
+        # a view of a shared context: another sequence may have set other flags since (the engine ignores a
+        # call that changes nothing)
+        if self._tap != (flags, window) or self.engine.shared:
             self.engine.set_tap(flags, window)
-            self._tap = (flags, window)
+        self._tap = (flags, window)
 
     def _observe_block(self) -> None:
         """Hand each policy the attention the tap summed over the unobserved steps, as one observation."""
@@ -518,3 +542,31 @@ class KVController:
         errors = g.policy.predicted_error(obs, order[:k_max])
         k = int(np.searchsorted(errors, b.error_tol, side="right"))  # errors grow with k
         return max(k_min, min(k, k_max))
+
+
+def step_batch(controllers: Sequence[KVController], tokens: Sequence[int]) -> np.ndarray:
+    """``KVController.step`` for several sequences of one context at once: one token each, decoded in one
+    llama_decode with the union of their tap flags (a cell holds one sequence's token and the KQ mask keeps
+    sequences apart, so the flags one sequence does not need only add statistics it resets before its next
+    observation); each observes, and evicts from its own sequence, on its own schedule. Returns the logits
+    [len(controllers), n_vocab]."""
+    plan = []
+    for c in controllers:
+        phase, observe = c._step_phase()
+        plan.append((phase, observe, c._before_decode(1, observe), c.engine.n_past))
+    union = TapFlag(0)
+    for *_, flags, _start in plan:
+        union |= flags
+    if len(controllers) == 1:
+        controllers[0]._set_tap(union, 1)
+    else:
+        controllers[0].engine.set_tap(union, 1)
+        for c, (*_, flags, _start) in zip(controllers, plan, strict=True):
+            c._tap = (flags, 1)
+    logits = decode_batch([c.engine for c in controllers], tokens)
+    for c, (phase, observe, flags, start) in zip(controllers, plan, strict=True):
+        c._after_decode(start, flags, observe)
+        c.step_count += 1
+        if phase == c.config.evict_every - 1:
+            c.evict()
+    return logits

@@ -4,12 +4,19 @@ This is the bottom layer: it decodes tokens at explicit positions and exposes th
 statistics of the patched graph *by position*. Policies, the controller and the ``Llama``
 drop-in are built on top of it.
 
+A context made for several sequences (``EngineConfig.n_seq``; one unified KV stream) is used through
+sequence views (``Engine.view(seq)``): an Engine sharing the model and context, with its own sequence id
+and ``n_past``, whose cell maps, evictions, rewinds and tap bookkeeping (reset, row count, side-pass
+scale) touch that sequence only. ``decode_batch`` decodes one token for each of several views in one
+``llama_decode``.
+
 Positions never move: an evicted token leaves a hole, and the next token always goes to
 ``n_past`` (the newest position + 1), which llama.cpp requires.
 """
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import enum
 import os
@@ -26,7 +33,7 @@ from .errors import AhakvError
 from .info import check_architecture
 from .native import EvictError, TapFlag, lib
 
-SEQ = 0  # one sequence per engine
+SEQ = 0  # the sequence of an engine made for one (a view has its own)
 
 _GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
 
@@ -46,6 +53,7 @@ class EngineConfig:
     # sizes; 0 in either keeps llama.cpp's rule for that cache. No padding: any size >= n_ubatch is honoured
     # (a sliding-window cache below its window + n_ubatch needs evictions from it to keep decoding)
     cache_cells: tuple[int, int] | None = None
+    n_seq: int = 1  # sequences sharing the context (views); more than one uses one unified KV stream
     verbose: bool = False
 
 
@@ -110,7 +118,11 @@ class Engine:
         cparams.n_ctx = config.n_ctx
         cparams.n_batch = config.n_batch
         cparams.n_ubatch = min(config.n_ubatch, config.n_batch)
-        cparams.n_seq_max = 1
+        if config.n_seq < 1:
+            raise ValueError(f"n_seq must be at least 1, not {config.n_seq}")
+        cparams.n_seq_max = config.n_seq
+        # one KV stream for every sequence: the tap's statistics are indexed by the cells of one stream
+        cparams.kv_unified = config.n_seq > 1
         threads = config.n_threads or os.cpu_count() or 1
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.flash_attn_type = (
@@ -139,6 +151,7 @@ class Engine:
             self.native.set_next_cache_cells(0, 0)  # consumed already, unless creation failed before llama.cpp
         self._batch = upstream.new_batch(config.n_batch, config.verbose)
         self._owned = True
+        self.seq, self.shared = SEQ, config.n_seq > 1
         self._describe()
         for cache, wanted in zip((LayerCache.BASE, LayerCache.SLIDING), cache_cells, strict=True):
             got = self.cache_cells(cache)
@@ -182,6 +195,7 @@ class Engine:
         )
         self._model, self._ctx, self._batch = upstream.handles(llm)
         self._owned = False
+        self.seq, self.shared = SEQ, False
         self._describe()
         return self
 
@@ -202,6 +216,16 @@ class Engine:
         # positions that fell out of its window)
         self.base_layer = self.layer_cache.index(LayerCache.BASE) if LayerCache.BASE in self.layer_cache else 0
         self.n_past = 0  # next position; every position below it was decoded (some may be evicted)
+
+    def view(self, seq: int) -> Engine:
+        """Sequence ``seq`` of this context (0 <= seq < n_seq) as an Engine of its own: the same model and
+        context (owned by this engine, which must outlive the view), its own position counter, and every
+        per-sequence call (cell map, eviction, rewind, tap reset, row count, side scale) on ``seq`` only."""
+        if not 0 <= seq < self.config.n_seq:
+            raise ValueError(f"sequence {seq} is not one of this context's {self.config.n_seq}")
+        v = copy.copy(self)
+        v.seq, v.n_past, v._owned = seq, 0, False
+        return v
 
     # -- resources ---------------------------------------------------------------------------------
 
@@ -252,6 +276,10 @@ class Engine:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self._model.detokenize(list(tokens)).decode(errors="replace")
 
+    def chat_prompt(self, messages: list[dict]) -> tuple[list[int], list[str]]:
+        """(tokens, stop strings) of chat ``messages`` with the model's own template (``upstream.chat_prompt``)."""
+        return upstream.chat_prompt(self._model, messages)
+
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends a generation (end of sequence, end of turn)."""
         return bool(self._llama_cpp.llama_vocab_is_eog(self._model.vocab, token))
@@ -270,20 +298,31 @@ class Engine:
         rows = []
         for start in range(0, len(tokens), self.config.n_batch):
             chunk = list(tokens[start : start + self.config.n_batch])
-            self._batch.set_batch(chunk, n_past=self.n_past, logits_all=all_logits)
-            rc = llama_cpp.llama_decode(self.ctx, self._batch.batch)
-            if rc == 1:
-                sizes = ", ".join(f"{c.name.lower()} {self.cache_cells(c)}" for c in self.caches)
-                raise AhakvError(f"the KV cache is full (cells: {sizes}): evict or give it more cells")
-            if rc != 0:
-                raise AhakvError(f"llama_decode failed with code {rc}")
-            self.n_past += len(chunk)
+            n = len(chunk)
+            self._fill([(t, self.n_past + i, self.seq, all_logits or i == n - 1) for i, t in enumerate(chunk)])
+            self._run_batch()
+            self.n_past += n
             n_rows = len(chunk) if all_logits else 1
             ptr = llama_cpp.llama_get_logits(self.ctx)
             out = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab)).copy()
             rows.append(out)
         logits = np.concatenate(rows)
         return logits if all_logits else logits[-1]
+
+    def _fill(self, rows: Sequence[tuple[int, int, int, bool]]) -> None:
+        """Put (token, position, sequence, wants logits) rows into the llama_batch."""
+        b = self._batch.batch
+        b.n_tokens = len(rows)
+        for i, (token, pos, seq, logits) in enumerate(rows):
+            b.token[i], b.pos[i], b.seq_id[i][0], b.n_seq_id[i], b.logits[i] = token, pos, seq, 1, logits
+
+    def _run_batch(self) -> None:
+        rc = self._llama_cpp.llama_decode(self.ctx, self._batch.batch)
+        if rc == 1:
+            sizes = ", ".join(f"{c.name.lower()} {self.cache_cells(c)}" for c in self.caches)
+            raise AhakvError(f"the KV cache is full (cells: {sizes}): evict or give it more cells")
+        if rc != 0:
+            raise AhakvError(f"llama_decode failed with code {rc}")
 
     # -- KV cache ----------------------------------------------------------------------------------
 
@@ -320,7 +359,8 @@ class Engine:
         """int32 [n_cells]: the position each cell holds, -1 for an empty cell (default: base cache)."""
         layer = self.base_layer if layer is None else layer
         out = np.empty(self.n_cells(layer), dtype=np.int32)
-        n = self.native.cell_pos(self.ctx, layer, SEQ, out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), out.size)
+        ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        n = self.native.cell_pos(self.ctx, layer, self.seq, ptr, out.size)
         if n != out.size:
             raise AhakvError(f"llama_ahakv_cell_pos failed for layer {layer}")
         return out
@@ -333,7 +373,7 @@ class Engine:
         """Forget every position >= n_past (rewind), so the next token goes to n_past."""
         if not 0 <= n_past <= self.n_past:
             raise ValueError(f"cannot truncate to {n_past}: {self.n_past} positions decoded")
-        self._ctx.kv_cache_seq_rm(SEQ, n_past, -1)
+        self._ctx.kv_cache_seq_rm(self.seq, n_past, -1)
         self.n_past = n_past
 
     def evict(self, positions: Sequence[int] | np.ndarray, cache: LayerCache | None = None) -> int:
@@ -347,9 +387,9 @@ class Engine:
             return 0
         ptr = pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         if cache is None:
-            rc = self.native.evict(self.ctx, SEQ, ptr, pos.size)
+            rc = self.native.evict(self.ctx, self.seq, ptr, pos.size)
         else:
-            rc = self.native.evict_cache(self.ctx, int(cache), SEQ, ptr, pos.size)
+            rc = self.native.evict_cache(self.ctx, int(cache), self.seq, ptr, pos.size)
         if rc < 0:
             reason = {
                 EvictError.NEWEST_POSITION: "the newest position can never be evicted",
@@ -368,16 +408,23 @@ class Engine:
         self.native.set_tap(self.ctx, int(flags), window)
 
     def set_side_scale(self, scale: float) -> None:
-        """Logit multiplier of the side pass (1.0 reproduces the model's softmax)."""
-        self.native.set_side_scale(self.ctx, scale)
+        """Logit multiplier of the side pass (1.0 reproduces the model's softmax), for this sequence's rows."""
+        if self.shared:
+            self.native.set_side_scale_seq(self.ctx, self.seq, scale)
+        else:
+            self.native.set_side_scale(self.ctx, scale)
 
     def reset_stats(self) -> None:
-        self.native.reset(self.ctx)
+        """Zero the accumulated statistics (of a shared context: of this sequence's cells only)."""
+        if self.shared:
+            self.native.reset_seq(self.ctx, self.seq)
+        else:
+            self.native.reset(self.ctx)
 
     @property
     def stat_rows(self) -> int:
-        """Query rows accumulated since the last reset."""
-        return int(self.native.n_rows(self.ctx))
+        """Query rows (of this sequence) accumulated since the last reset."""
+        return int(self.native.n_rows_seq(self.ctx, self.seq) if self.shared else self.native.n_rows(self.ctx))
 
     def stat_by_cell(self, kind: str, layer: int) -> np.ndarray:
         """float32 [n_heads, n_cells] of ``kind`` in attn, side, verr (query heads) or vnorm (KV heads)."""
@@ -445,3 +492,26 @@ class Engine:
             positions, cells = maps[cache]
             out.append(LayerStat(positions, self.stat_by_cell(kind, il)[:, cells]))
         return out
+
+
+def decode_batch(views: Sequence[Engine], tokens: Sequence[int]) -> np.ndarray:
+    """Decode ``tokens[i]`` at ``views[i].n_past`` in sequence ``views[i].seq``, all in one llama_decode (views
+    of one context, each sequence once); return their logits [len(views), n_vocab]."""
+    if not views or len(views) != len(tokens):
+        raise ValueError("decode_batch needs one token per view, and at least one view")
+    e = views[0]
+    if len({v.seq for v in views}) != len(views) or any(v.ctx != e.ctx for v in views):
+        raise ValueError("decode_batch needs distinct sequences of one context")
+    if len(views) > e.config.n_batch:
+        raise ValueError(f"{len(views)} sequences do not fit a batch of {e.config.n_batch} tokens")
+    for v in views:
+        if v.n_past + 1 > v.n_ctx_train:
+            raise AhakvError(f"position {v.n_past + 1} is past the model's trained context {v.n_ctx_train}")
+    e._fill([(int(t), v.n_past, v.seq, True) for v, t in zip(views, tokens, strict=True)])
+    e._run_batch()
+    llama_cpp = e._llama_cpp
+    out = np.empty((len(views), e.n_vocab), dtype=np.float32)
+    for i, v in enumerate(views):
+        out[i] = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(e.ctx, i), shape=(e.n_vocab,))
+        v.n_past += 1
+    return out

@@ -16,7 +16,7 @@ from . import upstream
 from .errors import EngineNotPatched
 
 # must equal LLAMA_AHAKV_ABI_VERSION of the patch series in patches/
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 BUILD_HINT = "run `ahakv-local build` (add --cuda or --metal for a GPU build) to install the patched engine"
 
@@ -57,6 +57,9 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "llama_ahakv_set_side_scale": ([_ctx, _c.c_float], None),
     "llama_ahakv_reset": ([_ctx], None),
     "llama_ahakv_n_rows": ([_ctx], _c.c_int64),
+    "llama_ahakv_set_side_scale_seq": ([_ctx, _c.c_int32, _c.c_float], None),
+    "llama_ahakv_reset_seq": ([_ctx, _c.c_int32], None),
+    "llama_ahakv_n_rows_seq": ([_ctx, _c.c_int32], _c.c_int64),
     "llama_ahakv_get_attn": ([_ctx, _c.c_int32, _f32p, _c.c_int32], _c.c_int32),
     "llama_ahakv_get_side": ([_ctx, _c.c_int32, _f32p, _c.c_int32], _c.c_int32),
     "llama_ahakv_get_verr": ([_ctx, _c.c_int32, _f32p, _c.c_int32], _c.c_int32),

@@ -8,7 +8,10 @@ is the question a prompt longer than the budget is read with (see ``Llama``'s ``
 
 One request runs at a time. Each is a Job that one worker thread runs from start to end: wait for the
 model (503 after ``busy_timeout``), check and apply its settings, generate, restore the server's settings
-and release the model - on every exit path. The generation stops at the next token when the client
+and release the model - on every exit path. With ``--parallel N`` (``ParallelRunner``) N requests run at
+once, each in a sequence slot of one context (parallel.py): one scheduler thread reads each new prompt into
+a free slot and decodes one token for every running request per llama_decode; ``/v1/kv/stats`` then
+reports every sequence. The generation stops at the next token when the client
 leaves, streamed or not, and when the server is told to stop. ``max_tokens`` 0, null or above
 ``max_tokens_limit`` (``--max-tokens-limit``) generates at most that limit. Every error is an
 OpenAI-shaped JSON body: 400 for a bad request, 503 when busy, 500 only for a bug.
@@ -17,11 +20,13 @@ OpenAI-shaped JSON body: 400 for a bad request, 503 when busy, 500 only for a bu
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
 import threading
 import time
+import uuid
 from typing import Any, Literal
 
 import uvicorn
@@ -34,6 +39,7 @@ from starlette.exceptions import HTTPException
 from .budget import Budget
 from .errors import AhakvError
 from .llama import Llama, Stopped
+from .parallel import Generation, Sampling, SequencePool, prompt_of
 from .policies import make_policy
 
 log = logging.getLogger("ahakv_local.server")
@@ -159,8 +165,43 @@ class EventStream(StreamingResponse):
             self.job.cancelled.set()
 
 
-class Runner:
-    """The model, its lock and the server's settings; runs Jobs."""
+async def respond(job: Job, request: Request) -> Response:
+    """The Job's answer: JSON, an error, or a stream (which then owns the Job)."""
+    streaming = False
+    try:
+        event = await job.next(request)
+        if event is None:
+            return error(499, "the client closed the connection")  # nginx's code; nobody reads it
+        kind, payload = event
+        if kind == "error":
+            return error(*payload)
+        if kind == "result":
+            return JSONResponse(payload)
+        streaming = True
+        return EventStream(job, event)
+    finally:
+        if not streaming:
+            job.cancelled.set()  # a no-op after the end; stops the worker if this coroutine was cancelled
+
+
+def sampling_of(req: KVFields, limit: int) -> dict:
+    """The sampling arguments of a request (``max_tokens`` 0, null or above ``limit`` is cut to it)."""
+    kw = {
+        "max_tokens": min(req.max_tokens or limit, limit),
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "stop": req.stop,
+        # llama.cpp's seeds are uint32; ctypes would wrap the same way, or fail past 64 bits
+        "seed": None if req.seed is None else req.seed & 0xFFFFFFFF,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "kv_query": req.kv_query,
+    }
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+class SerialRunner:
+    """The model, its lock and the server's settings; runs Jobs one at a time."""
 
     def __init__(self, llm: Llama, max_tokens_limit: int, busy_timeout: float, max_waiting: int):
         self.llm, self.max_tokens_limit, self.busy_timeout = llm, max_tokens_limit, busy_timeout
@@ -174,8 +215,19 @@ class Runner:
         # token, or the next prompt chunk), streamed or not
         llm.should_stop = lambda: self.current is not None and self.current.stopped()
 
-    async def submit(self, request: Request, req: KVFields, call) -> Response:
-        """Run ``call(stream=..., **sampling)`` as a Job; answer JSON, an error, or a stream."""
+    async def submit(self, request: Request, req: KVFields, kind: str, payload) -> Response:
+        """Run a completion (``payload`` its prompt) or a chat (its messages) as a Job; answer JSON, an error,
+        or a stream."""
+        llm = self.llm
+        if kind == "chat":
+
+            def call(**kw):
+                return llm.create_chat_completion(payload, **kw)
+        else:
+
+            def call(**kw):
+                return llm.create_completion(payload, **kw)
+
         if not self.slots.acquire(blocking=False):
             return error(503, "the server is busy: too many requests are waiting")
         job = Job(self.shutdown)
@@ -184,21 +236,7 @@ class Runner:
         except RuntimeError:  # no thread to be had
             self.slots.release()
             return error(503, "the server is busy")
-        streaming = False
-        try:
-            event = await job.next(request)
-            if event is None:
-                return error(499, "the client closed the connection")  # nginx's code; nobody reads it
-            kind, payload = event
-            if kind == "error":
-                return error(*payload)
-            if kind == "result":
-                return JSONResponse(payload)
-            streaming = True
-            return EventStream(job, event)
-        finally:
-            if not streaming:
-                job.cancelled.set()  # a no-op after the end; stops the worker if this coroutine was cancelled
+        return await respond(job, request)
 
     def _work(self, job: Job, req: KVFields, call) -> None:
         """The worker thread: the lock's whole life, and everything that touches the model."""
@@ -255,19 +293,7 @@ class Runner:
             self.llm.reset()
 
     def sampling(self, req: KVFields) -> dict:
-        limit = self.max_tokens_limit
-        kw = {
-            "max_tokens": min(req.max_tokens or limit, limit),
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "stop": req.stop,
-            # llama.cpp's seeds are uint32; ctypes would wrap the same way, or fail past 64 bits
-            "seed": None if req.seed is None else req.seed & 0xFFFFFFFF,
-            "presence_penalty": req.presence_penalty,
-            "frequency_penalty": req.frequency_penalty,
-            "kv_query": req.kv_query,
-        }
-        return {k: v for k, v in kw.items() if v is not None}
+        return sampling_of(req, self.max_tokens_limit)
 
     @contextlib.contextmanager
     def settings(self, req: KVFields):
@@ -286,14 +312,12 @@ class Runner:
         if req.kv_policy is not None:
             policy = make_policy(req.kv_policy)
         kv.check_budget(budget, policy)  # nothing has changed yet
-        try:  # the budget first: set_policy checks the policy against the budget in force
-            kv.config.budget = budget
-            kv.set_policy(policy)
+        try:  # every group's eviction target too, not only the configured budget
+            kv.configure(budget, policy)
             self.llm.reset()  # the cached history was compressed under other settings
             yield
         finally:
-            kv.config.budget = saved_budget
-            kv.set_policy(saved_policy)
+            kv.configure(saved_budget, saved_policy)
             self.llm.reset()
 
     def health(self) -> Response:
@@ -313,13 +337,171 @@ class Runner:
         return self.stats
 
 
+class ParallelRunner:
+    """``--parallel N``: a scheduler thread owns the context's sequence slots (``SequencePool``). A request
+    waits for a free slot (503 past ``busy_timeout`` or with ``max_waiting`` others waiting), has its prompt
+    read there with its own kv_budget / kv_policy / kv_query, and then gets one token per step, decoded in
+    one llama_decode with every other running request."""
+
+    def __init__(self, pool: SequencePool, model_name: str, max_tokens_limit: int, busy_timeout: float,
+                 max_waiting: int, default_query: bool | str):  # fmt: skip
+        self.pool, self.model_name, self.max_tokens_limit = pool, model_name, max_tokens_limit
+        self.busy_timeout, self.max_waiting, self.default_query = busy_timeout, max_waiting, default_query
+        self.waiting: collections.deque = collections.deque()
+        self.cond = threading.Condition()
+        self.shutdown = threading.Event()
+        threading.Thread(target=self._loop, name="ahakv-scheduler", daemon=True).start()
+
+    async def submit(self, request: Request, req: KVFields, kind: str, payload) -> Response:
+        job = Job(self.shutdown)
+        job.req, job.kind, job.payload, job.since = req, kind, payload, time.monotonic()
+        with self.cond:
+            if len(self.waiting) >= self.max_waiting:
+                return error(503, "the server is busy: too many requests are waiting")
+            self.waiting.append(job)
+            self.cond.notify()
+        return await respond(job, request)
+
+    def _loop(self) -> None:
+        pool = self.pool
+        while True:
+            with self.cond:
+                while not self.waiting and not pool.active:
+                    self.cond.wait(0.25)
+                admit = []
+                while self.waiting and len(admit) < len(pool.free()):
+                    admit.append(self.waiting.popleft())
+                now = time.monotonic()
+                for job in [j for j in self.waiting if j.stopped() or now - j.since > self.busy_timeout]:
+                    self.waiting.remove(job)
+                    job.post("error", (503, self._busy_message(job)))
+            for job in admit:
+                self._start(job)
+            try:
+                pool.step()
+            except Exception as exc:  # a bug, or the engine failing: every running request gets an answer
+                log.exception("decode step failed")
+                for gen in list(pool.active.values()):
+                    gen.emit("", f"error: {type(exc).__name__}: {exc}")
+                pool.active.clear()
+                pool.next_token.clear()
+
+    def _busy_message(self, job: Job) -> str:
+        if self.shutdown.is_set():
+            return "the server is shutting down"
+        return f"the server is busy: every sequence slot has been taken for {time.monotonic() - job.since:.0f} s"
+
+    def _start(self, job: Job) -> None:
+        if job.stopped():
+            job.post("error", (503, self._busy_message(job)))
+            return
+        req = job.req
+        try:
+            kw = sampling_of(req, self.max_tokens_limit)
+            stop = kw.get("stop") or []
+            tokens, chat_stop, read_with = prompt_of(
+                self.pool.engine, job.kind, job.payload, req.kv_query, self.default_query
+            )
+            budget = None
+            if req.kv_budget is not None:
+                budget = Budget.parse(req.kv_budget)
+            sampling = Sampling(
+                max_tokens=kw["max_tokens"],
+                temperature=req.temperature,
+                top_p=req.top_p,
+                seed=kw.get("seed"),
+                stop=tuple([stop] if isinstance(stop, str) else stop) + tuple(chat_stop),
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+            )
+            reply = Reply(job, self.model_name, job.kind, len(tokens), req.stream)
+            gen = Generation(tokens, sampling, reply.emit, job.stopped, budget, req.kv_policy, read_with)
+            reply.gen = gen
+            self.pool.start(gen)
+        except (AhakvError, ValueError) as exc:
+            job.post("error", (400, str(exc)))
+        except Exception as exc:
+            log.exception("request failed")
+            job.post("error", (500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    def health(self) -> Response:
+        if self.pool.free() or not self.waiting:
+            return JSONResponse({"status": "ok", "free_slots": len(self.pool.free())})
+        return error(503, "the server is busy: every sequence slot is taken")
+
+    def kv_stats(self) -> dict:
+        """Read from the controllers' Python figures (a request's slot is free before its answer is posted)."""
+        return self.pool.stats()
+
+
+class Reply:
+    """Turns a Generation's text into the Job's events, in llama-cpp-python's OpenAI shapes."""
+
+    def __init__(self, job: Job, model: str, kind: str, n_prompt: int, stream: bool):
+        self.job, self.model, self.kind, self.n_prompt, self.stream = job, model, kind, n_prompt, stream
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.gen: Generation | None = None
+        self.began = False
+
+    def _body(self, choice: dict, chunk: bool) -> dict:
+        chat = self.kind == "chat"
+        obj = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+    def _piece(self, text: str | None, finish: str | None, role: bool = False) -> dict:
+        if self.kind == "chat":
+            delta = {"role": "assistant"} if role else {} if text is None else {"content": text}
+            return self._body({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}, True)
+        return self._body({"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}, True)
+
+    def emit(self, text: str, finish: str | None) -> None:
+        if finish == "cancelled":
+            self.job.post("error", (503, "the server is shutting down"))
+            return
+        if finish is not None and finish.startswith("error"):
+            self.job.post("error", (500, f"internal {finish}"))
+            return
+        if self.stream:
+            if not self.began and self.kind == "chat":
+                self.job.post("chunk", self._piece(None, None, role=True))
+            self.began = True
+            if text:
+                self.job.post("chunk", self._piece(text, None))
+            if finish is not None:
+                self.job.post("chunk", self._piece(None, finish))
+                self.job.post("done")
+            return
+        self.text.append(text)
+        if finish is None:
+            return
+        content, n = "".join(self.text), len(self.gen.tokens) if self.gen else 0
+        usage = {"prompt_tokens": self.n_prompt, "completion_tokens": n, "total_tokens": self.n_prompt + n}
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None}
+        else:
+            choice = {"text": content, "index": 0, "logprobs": None}
+        body = self._body({**choice, "finish_reason": finish}, False)
+        self.job.post("result", {**body, "usage": usage})
+
+
 def create_app(
-    llm: Llama, model_name: str, max_tokens_limit: int = 2048, busy_timeout: float = 600.0, max_waiting: int = 32
+    llm: Llama | SequencePool,
+    model_name: str,
+    max_tokens_limit: int = 2048,
+    busy_timeout: float = 600.0,
+    max_waiting: int = 32,
+    default_query: bool | str = True,
 ) -> FastAPI:
-    """The app; setting ``app.state.shutdown`` (a threading.Event) stops the generation in progress and
-    every request waiting for the model."""
+    """The app over one ``Llama`` (one request at a time) or a ``SequencePool`` (``--parallel``: one request per
+    sequence slot, ``default_query`` the server's reading); setting ``app.state.shutdown`` (a threading.Event)
+    stops the generations in progress and every request waiting for the model."""
     app = FastAPI(title="ahakv-local", version="1")
-    runner = Runner(llm, max_tokens_limit, busy_timeout, max_waiting)
+    if isinstance(llm, SequencePool):
+        runner = ParallelRunner(llm, model_name, max_tokens_limit, busy_timeout, max_waiting, default_query)
+    else:
+        runner = SerialRunner(llm, max_tokens_limit, busy_timeout, max_waiting)
     app.state.shutdown = runner.shutdown
 
     @app.exception_handler(RequestValidationError)
@@ -354,12 +536,12 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         prompt = req.prompt if isinstance(req.prompt, str) else "".join(req.prompt)
-        return await runner.submit(request, req, lambda **kw: llm.create_completion(prompt, **kw))
+        return await runner.submit(request, req, "completion", prompt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         messages = [m.as_dict() for m in req.messages]
-        return await runner.submit(request, req, lambda **kw: llm.create_chat_completion(messages, **kw))
+        return await runner.submit(request, req, "chat", messages)
 
     @app.get("/v1/kv/stats")
     def kv_stats():

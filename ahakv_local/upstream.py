@@ -115,16 +115,22 @@ def make_state(input_ids, scores, n_tokens: int, llama_state: bytes, seed: int):
 def chat_prompt_tokens(llm, messages: list[dict]) -> list[int]:
     """The tokens ``create_chat_completion`` decodes for ``messages`` with the GGUF's own chat template
     (llama-cpp-python's Jinja formatter), or the plain concatenation where the model has none."""
+    return chat_prompt(llm._model, messages)[0]
+
+
+def chat_prompt(model, messages: list[dict]) -> tuple[list[int], list[str]]:
+    """(the tokens, the stop strings) of ``messages`` for a llama-cpp-python model handle (``_internals``), as
+    ``create_chat_completion`` builds them: the GGUF's chat template, or the plain concatenation."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    template = llm.metadata.get("tokenizer.chat_template")
+    template = model.metadata().get("tokenizer.chat_template")
     if not template:
-        return llm.tokenize("".join(m["content"] for m in messages).encode(), add_bos=True)
-    vocab = llm._model
-    bos = vocab.token_get_text(llm.token_bos())
-    eos = vocab.token_get_text(llm.token_eos())
+        return model.tokenize("".join(m["content"] for m in messages).encode(), True, False), []
+    bos = model.token_get_text(model.token_bos())
+    eos = model.token_get_text(model.token_eos())
     result = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)(messages=messages)
-    return llm.tokenize(result.prompt.encode(), add_bos=not result.added_special, special=True)
+    tokens = model.tokenize(result.prompt.encode(), not result.added_special, True)
+    return tokens, [s for s in result.stop if s]
 
 
 def set_position_bound(llm, n_positions: int) -> None:

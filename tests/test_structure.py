@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("engine and policies", {"engine", "policies"}),
     ("controller", {"controller", "groups"}),
     ("bounded session", {"session"}),
-    ("users of a session", {"llama", "evaluation", "needle", "longdoc"}),
+    ("users of a session", {"llama", "evaluation", "needle", "longdoc", "parallel"}),
     ("front ends", {"bench", "chat", "server", "plots", "report", "__init__"}),
     ("commands", {"cli", "cli_eval", "__main__"}),
 ]

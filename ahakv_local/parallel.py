@@ -1,0 +1,246 @@
+"""Several generations decoded together: the sequence slots of one context (``Engine.view``), each with its
+own controller (live positions, budget, policy), and one ``llama_decode`` per step for every active sequence
+(``controller.step_batch``). Evictions stay inside a sequence: a controller only ever evicts its own positions.
+
+A ``SequencePool`` is driven by one thread (the server's scheduler): ``start`` reads a new request's prompt
+into a free slot (the other sequences wait meanwhile), ``step`` decodes one token for each active one. Each
+slot reads its prompt from a fresh policy, as the one-at-a-time ``Llama`` does, so a greedy answer does not
+depend on the requests before it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .budget import QUERY_TOKENS, Budget, cells_for
+from .controller import ControllerStats, Reconstruct, step_batch
+from .engine import Engine
+from .errors import AhakvError
+from .policies import Policy, make_policy
+from .session import SessionSpec, guide
+
+TOP_K = 40  # llama-cpp-python's default for completions
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 0.8
+    top_p: float = 0.95
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def pick(self, logits: np.ndarray, counts: Counter, rng: np.random.Generator) -> int:
+        """The next token: penalties, then greedy (temperature 0) or top-k / top-p / temperature sampling."""
+        if counts and (self.presence_penalty or self.frequency_penalty):
+            ids = np.fromiter(counts.keys(), dtype=np.int64)
+            n = np.fromiter(counts.values(), dtype=np.float32)
+            logits = logits.copy()
+            logits[ids] -= self.presence_penalty + self.frequency_penalty * n
+        if self.temperature == 0:
+            return int(np.argmax(logits))
+        k = min(TOP_K, logits.size)
+        top = np.argpartition(-logits, k - 1)[:k]
+        top = top[np.argsort(-logits[top], kind="stable")]
+        z = logits[top].astype(np.float64) / self.temperature
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        keep = int(np.searchsorted(np.cumsum(p), self.top_p)) + 1
+        p = p[:keep] / p[:keep].sum()
+        return int(rng.choice(top[:keep], p=p))
+
+
+@dataclass
+class Generation:
+    """One request in a slot. ``emit(text, finish)`` receives each new piece of text with finish None, then
+    once the rest with the finish reason: "stop", "length", or "cancelled" (``stopped()`` said so)."""
+
+    prompt: list[int]
+    sampling: Sampling
+    emit: Callable[[str, str | None], None]
+    stopped: Callable[[], bool] = lambda: False
+    budget: Budget | None = None  # None: the pool's
+    policy: str | None = None  # None: the pool's
+    guide: Sequence[int] | Reconstruct | None = None
+    tokens: list[int] = field(default_factory=list)  # generated
+    sent: int = 0  # characters of text emitted
+    peak_cells: int = 0  # the most cells the sequence held while generating
+
+
+class SequencePool:
+    """``n_seq`` sequence slots of one engine's context, each a view with a controller built from ``spec``."""
+
+    def __init__(self, engine: Engine, spec: SessionSpec):
+        if spec.budget.mode != "cells" or spec.layer_budgets != "shared":
+            raise AhakvError("several sequences in one context need a budget in cells and shared layer budgets")
+        self.engine, self.spec = engine, spec
+        self.views = [engine.view(s) for s in range(engine.config.n_seq)]
+        self.controllers = [spec.controller(v) for v in self.views]
+        self.active: dict[int, Generation] = {}
+        self.next_token: dict[int, int] = {}
+        self._counts: dict[int, Counter] = {}
+        self._rng: dict[int, np.random.Generator] = {}
+        self.served = [0] * len(self.views)  # requests each slot has run
+        self.kv_cells, self.kv_bytes = engine.n_cells(), engine.kv_bytes()
+
+    @staticmethod
+    def context_cells(budget: Budget, n_seq: int, chunk: int, room: int) -> int:
+        """Cells of a context for ``n_seq`` sequences at a cell ``budget``: each holds at most its budget and
+        the newest token; one prompt is read at a time (one chunk, and the room of a guided reading)."""
+        return cells_for(budget, chunk, 0, room) + (n_seq - 1) * (int(budget.value) + 1)
+
+    def free(self) -> list[int]:
+        return [s for s in range(len(self.views)) if s not in self.active]
+
+    # -- requests ------------------------------------------------------------------------------------------
+
+    def check(self, budget: Budget | None, policy: str | None) -> tuple[Budget, Policy]:
+        """A request's budget and policy (None: the pool's), checked together; raises AhakvError."""
+        budget = budget or self.spec.budget
+        if budget.mode != "cells" or budget.value > self.spec.budget.value:
+            raise AhakvError(
+                f"with several sequences a request's kv_budget is a cell count up to the server's "
+                f"{int(self.spec.budget.value)}, not {budget}"
+            )
+        chosen = make_policy(policy) if policy is not None else self.spec.make_policy()
+        self.controllers[0].check_budget(budget, chosen)
+        return budget, chosen
+
+    def start(self, gen: Generation) -> int:
+        """Read ``gen``'s prompt into a free slot (from a fresh policy) and pick its first token; returns the
+        slot. A request's mistake raises AhakvError or ValueError with the slot left empty."""
+        seq = self.free()[0]
+        ctl = self.controllers[seq]
+        budget, policy = self.check(gen.budget, gen.policy)
+        if not gen.prompt:
+            raise AhakvError("the prompt is empty")
+        if len(gen.prompt) + 1 > self.engine.n_ctx_train:
+            raise AhakvError(f"the prompt has {len(gen.prompt)} tokens, past the model's {self.engine.n_ctx_train}")
+        ctl.configure(budget, policy)
+        ctl.truncate(0)
+        ctl.stats = ControllerStats()  # the figures of this request
+        self.active[seq] = gen
+        self._counts[seq] = Counter()
+        self._rng[seq] = np.random.default_rng(gen.sampling.seed)
+        self.served[seq] += 1
+        try:
+            n = self.engine.config.n_batch
+            for i in range(0, len(gen.prompt), n):
+                chunk = gen.prompt[i : i + n]
+                if len(chunk) == 1:
+                    logits = ctl.step(chunk[0])
+                else:
+                    logits = ctl.prefill(chunk, query=gen.guide, ends_prompt=i + n >= len(gen.prompt))
+        except BaseException:
+            self._drop(seq)
+            raise
+        gen.peak_cells = ctl.live.size
+        self._take(seq, logits)
+        return seq
+
+    def step(self) -> None:
+        """One token for every active sequence, in one llama_decode; cancelled generations end first."""
+        for seq, gen in list(self.active.items()):
+            if gen.stopped():
+                self._finish(seq, "", "cancelled")
+        seqs = [s for s in self.active if s in self.next_token]
+        if not seqs:
+            return
+        logits = step_batch([self.controllers[s] for s in seqs], [self.next_token.pop(s) for s in seqs])
+        for s, row in zip(seqs, logits, strict=True):
+            self.active[s].peak_cells = max(self.active[s].peak_cells, self.controllers[s].live.size)
+            self._take(s, row)
+
+    def cancel_all(self, reason: str = "cancelled") -> None:
+        for seq in list(self.active):
+            self._finish(seq, "", reason)
+
+    # -- one sequence ----------------------------------------------------------------------------------------
+
+    def _take(self, seq: int, logits: np.ndarray) -> None:
+        """Sample the next token of ``seq`` and pass on its text; finish at an end token, a stop string or
+        max_tokens, else queue the token for the next step."""
+        gen, e = self.active[seq], self.engine
+        token = gen.sampling.pick(logits, self._counts[seq], self._rng[seq])
+        if e.is_eog(token):
+            self._finish(seq, self._text(gen)[gen.sent :], "stop")
+            return
+        gen.tokens.append(token)
+        self._counts[seq][token] += 1
+        text = self._text(gen)
+        cut = min((i for i in (text.find(s) for s in gen.sampling.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self._finish(seq, text[gen.sent : cut], "stop")
+            return
+        if len(gen.tokens) >= gen.sampling.max_tokens:
+            self._finish(seq, text[gen.sent :], "length")
+            return
+        # hold back what could begin a stop string, and an unfinished UTF-8 character
+        hold = max((len(s) - 1 for s in gen.sampling.stop), default=0)
+        ready = len(text) - hold
+        while ready > gen.sent and text[ready - 1] == "\ufffd":
+            ready -= 1
+        if ready > gen.sent:
+            gen.emit(text[gen.sent : ready], None)
+            gen.sent = ready
+        self.next_token[seq] = token
+
+    def _text(self, gen: Generation) -> str:
+        return self.engine.detokenize(gen.tokens)
+
+    def _finish(self, seq: int, rest: str, reason: str) -> None:
+        gen = self.active[seq]
+        self._drop(seq)
+        gen.emit(rest, reason)
+
+    def _drop(self, seq: int) -> None:
+        self.active.pop(seq, None)
+        self.next_token.pop(seq, None)
+
+    # -- figures -------------------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Per sequence: active or not, cells used, budget target, tokens seen, evicted, policy, requests."""
+        seqs = []
+        for s, ctl in enumerate(self.controllers):
+            st = ctl.stats
+            seqs.append(
+                {
+                    "seq": s,
+                    "active": s in self.active,
+                    "cells_used": st.cells_used,
+                    "budget": int(ctl.groups[0].budget.value),
+                    "tokens_seen": st.tokens_seen,
+                    "evicted": st.evicted,
+                    "policy": ctl.policy.name,
+                    "guide_tokens": st.guide_tokens,
+                    "requests": self.served[s],
+                }
+            )
+        return {"parallel": len(self.views), "kv_cells": self.kv_cells, "kv_bytes": self.kv_bytes, "sequences": seqs}
+
+
+def prompt_of(engine: Engine, kind: str, payload, kv_query, default_query) -> tuple[list[int], list[str], object]:
+    """(prompt tokens, stop strings, what the prompt is read with) of a chat ("chat", messages) or completion
+    ("completion", text) request, as the one-at-a-time server's ``Llama`` builds them."""
+    if kind == "chat":
+        tokens, stop = engine.chat_prompt(payload)
+        users = [m["content"] for m in payload if m["role"] == "user"]
+        question = users[-1] if users else None
+    else:
+        tokens, stop = engine.tokenize(payload, add_bos=True, special=True), []
+        question = next((p for p in reversed(payload.split("\n\n")) if p.strip()), None)
+    query = default_query if kv_query is None else kv_query
+    if query == "reconstruct":
+        return tokens, stop, guide("reconstruct", None, engine)
+    if query is True:
+        query = question
+    if not query:
+        return tokens, stop, None
+    return tokens, stop, guide("query", engine.tokenize(query, add_bos=False)[-QUERY_TOKENS:], engine)

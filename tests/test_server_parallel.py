@@ -1,0 +1,293 @@
+"""Several sequences in one context (`serve --parallel N`): sequence views, the batched decode step, the tap's
+per-sequence bookkeeping (patch 0008), and the server built on them.
+
+The reference for a sequence decoded among others is the same sequence decoded alone in a context of its own
+(the one-at-a-time path). On the fixture (F32 weights) the two differ only in the order float sums meet the
+cells (a sequence's cells sit at other offsets of a larger cache), which leaves greedy tokens and every
+eviction decision unchanged; Gemma's quantized kernels move more (see the Gemma test)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import numpy as np
+from test_server import call, start_server, stop_server
+
+from ahakv_local.budget import Budget
+from ahakv_local.controller import ControllerConfig, KVController, step_batch
+from ahakv_local.engine import Engine, EngineConfig
+from ahakv_local.llama import Llama
+from ahakv_local.native import TapFlag
+from ahakv_local.parallel import Generation, Sampling, SequencePool
+from ahakv_local.policies import make_policy
+from ahakv_local.session import SessionSpec
+
+from numerics import sum_rtol
+
+CHUNK = 16
+# (policy, budget, evict_every, observe_steps, prompt tokens): AhaKV's side pass scale follows each sequence's
+# own length; H2O sums unobserved steps in the tap; TOVA reads one row; different budgets and schedules
+SEQS = [("ahakv", 48, 4, 1, 90), ("h2o", 64, 8, 1, 130), ("tova", 40, 1, None, 70), ("snapkv", 56, 2, 1, 110)]
+STEPS = 40
+
+
+def run_alone(model, tokens, policy, budget, every, watch) -> tuple[list[int], np.ndarray, list[np.ndarray]]:
+    """Greedy tokens, the live positions at the end and every step's logits of one sequence in its own context."""
+    with Engine(model, EngineConfig(n_ctx=256, n_batch=64, n_ubatch=CHUNK)) as e:
+        c = KVController(
+            e, make_policy(policy), ControllerConfig(Budget.parse(budget), 4, 8, every, observe_steps=watch)
+        )
+        logits = c.prefill(tokens)
+        out, rows = [], []
+        for _ in range(STEPS):
+            out.append(int(np.argmax(logits)))
+            logits = c.step(out[-1])
+            rows.append(logits)
+        return out, c.live.copy(), rows
+
+
+def test_batched_steps_equal_each_sequence_alone(fixture_model, license_text):
+    """Four sequences with different policies, budgets and schedules, stepped together: the same greedy tokens,
+    the same evictions (live positions) and logits within float-order noise as each alone; the native cell map
+    of each sequence is its controller's live set, and no sequence's cells were taken by another."""
+    words = license_text.split()
+    config = EngineConfig(n_ctx=1024, n_batch=64, n_ubatch=CHUNK, n_seq=len(SEQS))
+    with Engine(fixture_model, config) as e:
+        prompts = [e.tokenize(" ".join(words[40 * i :]))[:n] for i, (*_, n) in enumerate(SEQS)]
+        views = [e.view(s) for s in range(len(SEQS))]
+        ctls = []
+        for v, (policy, budget, every, watch, _) in zip(views, SEQS, strict=True):
+            cfg = ControllerConfig(Budget.parse(budget), 4, 8, every, observe_steps=watch)
+            ctls.append(KVController(v, make_policy(policy), cfg))
+        logits = np.stack([c.prefill(p) for c, p in zip(ctls, prompts, strict=True)])
+        outs, rows = [[] for _ in SEQS], []
+        for _ in range(STEPS):
+            tokens = [int(np.argmax(row)) for row in logits]
+            for o, t in zip(outs, tokens, strict=True):
+                o.append(t)
+            logits = step_batch(ctls, tokens)
+            rows.append(logits)
+            for c, (_, budget, *_) in zip(ctls, SEQS, strict=True):
+                assert c.live.size <= budget  # each sequence holds its own budget at every step
+        cell_maps = [v.cell_positions() for v in views]
+        n_cells = e.n_cells()
+        for v, c in zip(views, ctls, strict=True):
+            np.testing.assert_array_equal(v.live_positions(), c.live)
+            assert c.stats.evicted == v.n_past - c.live.size  # every position it lost, it evicted itself
+        held = np.stack([m >= 0 for m in cell_maps])
+        assert held.sum(axis=0).max() == 1  # a cell belongs to one sequence
+
+    for s, (policy, budget, every, watch, _) in enumerate(SEQS):
+        out, live, alone_rows = run_alone(fixture_model, prompts[s], policy, budget, every, watch)
+        assert outs[s] == out, policy
+        np.testing.assert_array_equal(ctls[s].live, live)
+        drift = max(float(np.abs(r[s] - a).max()) for r, a in zip(rows, alone_rows, strict=True))
+        # float order only: the attention sums meet the cells in another order (sum_rtol(n_cells) = 6.1e-5
+        # relative each), and a batch of 4 rows takes other matmul kernels than one row; through the fixture's
+        # peaked attention (qk_gain 3) that compounds to 2.7e-4 of the largest logit (measured, snapkv, 40
+        # steps). Bound: 1e-3 relative, ~4x the measurement and 16x one sum's bound; a wrong statistic or
+        # eviction shows in the tokens and live sets above, exactly
+        scale = max(float(np.abs(a).max()) for a in alone_rows)
+        assert drift < max(16 * sum_rtol(n_cells), 1e-3) * scale, (policy, drift, scale)
+
+
+def test_a_sequence_reset_leaves_the_others_statistics(fixture_model, license_text):
+    """reset_seq zeroes one sequence's cells and row count only; the row counts are per sequence."""
+    with Engine(fixture_model, EngineConfig(n_ctx=512, n_batch=64, n_ubatch=CHUNK, n_seq=2)) as e:
+        a, b = e.view(0), e.view(1)
+        tokens = e.tokenize(license_text)
+        e.set_tap(TapFlag.ATTN, 0)
+        a.reset_stats()
+        b.reset_stats()
+        a.decode(tokens[:30])
+        b.decode(tokens[30:50])
+        assert (a.stat_rows, b.stat_rows) == (30, 20)
+        before = b.stat("attn", 1).values.copy()
+        a.reset_stats()
+        assert a.stat_rows == 0 and b.stat_rows == 20
+        assert not a.stat("attn", 1).values.any()
+        np.testing.assert_array_equal(b.stat("attn", 1).values, before)
+        # each row is a softmax over its own sequence's cells: b's columns sum to its 20 rows per head
+        np.testing.assert_allclose(before.sum(axis=1), 20.0, rtol=1e-5)
+
+
+def test_configure_retargets_the_eviction(fixture_model, license_text):
+    """KVController.configure changes every group's target, not only the configured budget (the one-at-a-time
+    server's per-request kv_budget never reached the eviction before)."""
+    with Engine(fixture_model, EngineConfig(n_ctx=256, n_batch=64, n_ubatch=CHUNK)) as e:
+        c = KVController(e, make_policy("h2o"), ControllerConfig(Budget.parse(96), 4, 8, 4))
+        c.configure(Budget.parse(40), make_policy("tova"))
+        c.truncate(0)
+        c.prefill(e.tokenize(license_text)[:150])
+        assert c.groups[0].budget.value == 40 and c.live.size <= 40 and c.policy.name == "tova"
+
+
+def test_the_dropin_keeps_the_summed_steps_between_calls(fixture_model, license_text):
+    """Llama.eval one token per call (as generation does) meets the same evictions as KVController.step: the
+    steps the tap sums between observations survive the calls (they were dropped by a rewind on every call)."""
+    with Engine(fixture_model, EngineConfig(n_ctx=256, n_batch=64, n_ubatch=64)) as e:
+        tokens = e.tokenize(license_text)[:160]
+        c = KVController(e, make_policy("h2o"), ControllerConfig(Budget.parse(64), 4, 8, 16, observe_steps=1))
+        c.prefill(tokens[:100])
+        for t in tokens[100:]:
+            c.step(t)
+        reference = c.live.copy()
+    llm = Llama(str(fixture_model), kv_budget=64, kv_policy="h2o", kv_sinks=4, kv_recent=8, kv_evict_every=16,
+                kv_query=False, n_ctx=256, n_batch=64, verbose=False)  # fmt: skip
+    with llm:
+        llm.eval(tokens[:100])
+        for t in tokens[100:]:
+            llm.eval([t])
+        np.testing.assert_array_equal(llm.kv_controller.live, reference)
+
+
+# -- the server ------------------------------------------------------------------------------------------------
+
+BUDGETS = [48, 56, 64, 72, 80, 88, 96, None]  # None: the server's (96)
+POLICIES = ["ahakv", "h2o", "streaming", None, "snapkv", "ahakv", "scissorhands", None]
+
+
+def chat_body(i: int, text: str) -> dict:
+    body = {
+        "messages": [{"role": "user", "content": " ".join(text.split()[30 * i : 30 * i + 40])}],
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+    if BUDGETS[i] is not None:
+        body["kv_budget"] = BUDGETS[i]
+    if POLICIES[i] is not None:
+        body["kv_policy"] = POLICIES[i]
+    return body
+
+
+def test_eight_concurrent_requests_answer_as_each_alone(fixture_model, license_text):
+    """`serve --parallel 4`, eight chat requests with different budgets and policies sent at once: every answer
+    is the one the same request gets alone, and /v1/kv/stats reports each sequence within its budget.
+    TOVA is left out here: its score is one query row, and with ~700-token prompts the float-order noise of a
+    sequence's cells at other offsets (1e-3 in the prompt's logits on this fixture) flipped one of its evictions
+    between near-equal cells (measured: 1 of 8 answers differed); the engine-level test above covers TOVA on
+    shorter prompts, where its evictions are identical."""
+    proc, base = start_server(fixture_model, "--parallel", "4", "--budget", "96", "--recent", "8")
+    try:
+        alone = [call(base, "/v1/chat/completions", chat_body(i, license_text)) for i in range(8)]
+        assert all(status == 200 for status, _ in alone), alone
+        together: list = [None] * 8
+
+        def send(i: int) -> None:
+            together[i] = call(base, "/v1/chat/completions", chat_body(i, license_text), timeout=120)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i in range(8):
+            assert together[i][0] == 200, together[i]
+            assert together[i][1]["choices"][0]["message"] == alone[i][1]["choices"][0]["message"], i
+            assert together[i][1]["usage"] == alone[i][1]["usage"]
+        assert sum(1 for _, b in alone if b["choices"][0]["message"]["content"]) >= 4  # the texts are not all empty
+
+        status, stats = call(base, "/v1/kv/stats")
+        assert status == 200 and stats["parallel"] == 4 and len(stats["sequences"]) == 4
+        assert sum(s["requests"] for s in stats["sequences"]) == 16
+        for s in stats["sequences"]:
+            assert not s["active"] and s["cells_used"] <= s["budget"] <= 96
+            assert s["evicted"] == s["tokens_seen"] - s["cells_used"] > 0  # each read a prompt past its budget
+
+        # a budget past the slot's cells, and an unknown policy: one-line 400s, the server goes on
+        status, body = call(base, "/v1/chat/completions", {**chat_body(0, license_text), "kv_budget": 500})
+        assert status == 400 and "up to the server's 96" in body["error"]["message"]
+        status, body = call(base, "/v1/chat/completions", {**chat_body(0, license_text), "kv_policy": "nope"})
+        assert status == 400
+        # streamed: the same text in pieces
+        req = urllib.request.Request(
+            base + "/v1/chat/completions",
+            json.dumps({**chat_body(3, license_text), "stream": True}).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            events = [ln[6:] for ln in r.read().decode().splitlines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        pieces = [json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1]]
+        assert "".join(pieces) == alone[3][1]["choices"][0]["message"]["content"]
+    finally:
+        stop_server(proc)
+
+
+def test_parallel_needs_a_cell_budget(fixture_model):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "ahakv_local", "serve", str(fixture_model), "--parallel", "2", "--budget", "0.25"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "--parallel needs --budget in cells" in out.stderr.strip().splitlines()[-1]
+
+
+# -- Gemma -----------------------------------------------------------------------------------------------------
+
+# the float-order drift of Gemma's prompt logits between a sequence alone and among others: 0.73 measured in an earlier
+# session, 0.938 in this one (same test); a sequence reading another's cells would move them by several units
+GEMMA_DRIFT = 2.0
+
+
+def test_gemma_sequences_hold_their_budgets_and_agree_where_the_choice_is_clear(gemma_model, license_text):
+    """Gemma 3 270M, 8 requests over 4 slots of one context with different budgets. Cells at offsets that are not a
+    multiple of 8 change the float summation order of Gemma's quantized kernels, which moves logits (up to 0.73
+    measured in an earlier run), so whole answers may differ from the one-at-a-time answers where two tokens
+    are close. Asserted: every sequence holds its budget, every answer is non-empty, the first tokens'
+    logits move by less than GEMMA_DRIFT, and the first token equals the alone-run's wherever the alone-run's
+    margin between its top two logits exceeds the drift measured in this run (3/8 did at a 2.0 margin here)."""
+    budgets = [48, 64, 80, 96, 48, 64, 80, 96]
+    spec = SessionSpec.bounded("ahakv", 96, n_recent=16, reading="plain")
+    cells = SequencePool.context_cells(spec.budget, 4, 64, 0)
+    words = license_text.split()
+
+    def run(together: bool) -> tuple[list[list[int]], list[np.ndarray]]:
+        with Engine(gemma_model, EngineConfig(n_ctx=cells, n_batch=64, n_ubatch=64, n_seq=4, n_threads=2)) as e:
+            pool = SequencePool(e, spec)
+            outs: list[list[int]] = [[] for _ in budgets]
+            firsts: list = [None] * len(budgets)
+            gens = []
+            for i, b in enumerate(budgets):
+                prompt = e.tokenize(" ".join(words[50 * i : 50 * i + 150]))
+                greedy = Sampling(max_tokens=24, temperature=0)
+                gens.append(Generation(prompt, greedy, lambda t, f: None, budget=Budget.parse(b)))
+            waiting = list(range(len(budgets)))
+            orig = pool._take
+
+            def take(seq, logits):
+                i = slot_of[seq]
+                if firsts[i] is None:
+                    firsts[i] = logits.copy()
+                orig(seq, logits)
+                for s, c in enumerate(pool.controllers):
+                    assert c.live.size <= int(c.groups[0].budget.value), s
+
+            pool._take = take
+            slot_of: dict[int, int] = {}
+            while waiting or pool.active:
+                while waiting and pool.free() and (together or not pool.active):
+                    i = waiting.pop(0)
+                    slot_of[pool.free()[0]] = i
+                    pool.start(gens[i])
+                pool.step()
+            for i, g in enumerate(gens):
+                outs[i] = g.tokens
+            return outs, firsts
+
+    alone, alone_first = run(False)
+    both, both_first = run(True)
+    drift = max(float(np.abs(a - b).max()) for a, b in zip(alone_first, both_first, strict=True))
+    assert drift < GEMMA_DRIFT, drift
+    clear = 0
+    for a, b, logits in zip(alone, both, alone_first, strict=True):
+        assert a and b  # non-empty answers
+        top2 = np.sort(logits)[-2:]
+        if top2[1] - top2[0] > drift:
+            clear += 1
+            assert a[0] == b[0]
+    assert clear >= 1  # the check above ran
+    print(f"gemma: first-token drift {drift:.3f}, {clear}/8 clear first choices, "
+          f"{sum(a == b for a, b in zip(alone, both, strict=True))}/8 whole answers equal")  # fmt: skip
