@@ -296,14 +296,25 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
 @click.argument("model", required=False, envvar="AHAKV_MODEL")
 @click.option("-b", "--budget", default=512, show_default=True, help="Budget to compare with the full cache.")
 @click.option("-c", "--ctx-size", type=int, default=None, help="Context length to compare at (default: trained).")
-def info(model, budget, ctx_size) -> None:
-    """Architecture, heads, sliding window, trained context and KV bytes of MODEL."""
+@click.option(
+    "-ub",
+    "--ubatch-size",
+    type=Positive,
+    default=512,
+    show_default=True,
+    help="llama.cpp's n_ubatch: a trimmed sliding-window cache holds the window plus one ubatch.",
+)
+def info(model, budget, ctx_size, ubatch_size) -> None:
+    """Architecture, heads, sliding window, trained context and KV bytes of MODEL, per KV cache for
+    swa_full on (llama-cpp-python's default) and off (llama.cpp's own tools: the sliding cache trimmed)."""
     from .info import describe, read_info
     from .models import resolve_model
 
     if budget < 1:
         raise AhakvError("--budget must be at least 1 cell")
-    click.echo(describe(read_info(resolve_model(model, progress=True)), budget, ctx_size))
+    if ctx_size is not None and ctx_size < 1:
+        raise AhakvError("--ctx-size must be at least 1")
+    click.echo(describe(read_info(resolve_model(model, progress=True)), budget, ctx_size, ubatch_size))
 
 
 @main.command()
