@@ -136,6 +136,14 @@ def engine_options(f):
             help="Prompt tokens per decode call (default: 64 with a budget, to keep the cells near it; 512).",
         ),
         click.option(
+            "--kv-type",
+            type=click.Choice(["f16", "q8_0"]),
+            default="f16",
+            show_default=True,
+            envvar="AHAKV_KV_TYPE",
+            help="KV cache type of K and V (q8_0: about half the bytes of f16; turns flash attention on).",
+        ),
+        click.option(
             "--reading",
             type=click.Choice(["query", "plain", "reconstruct"]),
             default="query",
