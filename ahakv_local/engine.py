@@ -23,7 +23,7 @@ import numpy as np
 from . import upstream
 from .budget import CacheLayout
 from .errors import AhakvError
-from .info import KV_TYPES, check_architecture
+from .info import KV_TYPES, check_kv_types, read_info
 from .native import EvictError, TapFlag, lib
 
 SEQ = 0  # one sequence per engine
@@ -101,7 +101,8 @@ class Engine:
         path = Path(model_path)
         if not path.is_file():
             raise AhakvError(f"model file not found: {path}")
-        check_architecture(path)  # one line for a model the tap or eviction cannot handle, before llama.cpp
+        # one line for a model the tap or eviction cannot handle, or K/V types its heads cannot be stored in
+        check_kv_types(read_info(path), config.type_k, config.type_v)
         cache_cells = self._check_cache_cells(config, min(config.n_ubatch, config.n_batch))
         self.native = lib()  # refuses an unpatched engine before anything is loaded
 

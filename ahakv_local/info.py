@@ -86,6 +86,13 @@ class CacheSize:
         return self.cells * self.cell_bytes
 
 
+def check_kv_types(info: ModelInfo, type_k: str, type_v: str) -> None:
+    """An AhakvError (one line) for K/V cache types a model's heads cannot be stored in (llama.cpp would abort):
+    each head's row must hold whole blocks of a quantized type."""
+    row_bytes(type_k, info.head_dim_k)
+    row_bytes(type_v, info.head_dim_v)
+
+
 def row_bytes(type_name: str, n: int) -> int:
     """Bytes of ``n`` values of a KV type (ggml_row_size)."""
     if type_name not in KV_TYPES:

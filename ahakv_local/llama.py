@@ -35,7 +35,7 @@ from .budget import QUERY_TOKENS, Budget, cells_for
 from .controller import ControllerStats, KVController
 from .engine import Engine, kv_type_params
 from .errors import AhakvError
-from .info import read_info
+from .info import check_kv_types, read_info
 from .session import SessionSpec, guide, model_layout
 
 
@@ -150,6 +150,7 @@ class Llama(llama_cpp.Llama):
         self._chat_question: str | None = None
         if kv_type is not None:  # K and V of that type (q8_0: flash attention on)
             kwargs.update(kv_type_params(kv_type, kwargs.get("flash_attn")))
+            check_kv_types(read_info(Path(model_path)), kv_type, kv_type)
         if kv_budget is None:
             check_cells(model_path, n_ctx, None)
             super().__init__(model_path, n_ctx=n_ctx, n_batch=n_batch, **kwargs)
