@@ -5,6 +5,12 @@ q8_0 V. The references are numpy on the run's own Q, K and V (llama.cpp's graph 
 tests/capture.py) in F32/F64; every tolerance is the q8_0 quantization step, bounded from those values:
 a block of 32 stores round(x / d) with d = max|x| / 127 kept in F16, so each value is off by at most
 d (1/2 + 127 * 2^-11) (the rounding, and the F16 rounding of d times the integer).
+
+With a quantized cache llama.cpp rotates what it stores (llama-kv-cache.cpp, attn_rot_k/attn_rot_v): Q and K by
+an orthonormal Walsh-Hadamard matrix over the largest power of two >= 64 dividing the head size, V over blocks
+of 64, and the attention output back. Dot products and norms do not change; the quantization steps are those
+of the rotated values, so the references rotate too (in F32, as the graph does: off by sum_rtol(n) of the
+block's |x|_1 / sqrt(n) per value).
 """
 
 from __future__ import annotations
@@ -31,6 +37,22 @@ def q8_step(x: np.ndarray) -> np.ndarray:
     blocks = np.abs(x).reshape(*x.shape[:-1], -1, BLOCK)
     d = blocks.max(axis=-1, keepdims=True) / 127
     return np.broadcast_to(d * (0.5 + 127 * F16) * (1 + 1e-6), blocks.shape).reshape(x.shape)
+
+
+def hadamard(n: int) -> np.ndarray:
+    """ggml_gen_hadamard: Sylvester's construction, scaled to be orthonormal (symmetric: H @ H = I)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def rotate(x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(H x over blocks of n along the last axis, a per-value bound on the graph's F32 rounding of it)."""
+    blocks = x.reshape(*x.shape[:-1], -1, n)
+    out = (blocks.astype(np.float32) @ hadamard(n).astype(np.float32)).astype(np.float64)
+    err = np.broadcast_to(sum_rtol(n) * np.abs(blocks).sum(axis=-1, keepdims=True) / np.sqrt(n), blocks.shape)
+    return out.reshape(x.shape), err.reshape(x.shape)
 
 
 def q8_round(x: np.ndarray) -> np.ndarray:
@@ -88,13 +110,15 @@ def test_q8_0_statistics_against_numpy(gemma_model, tokens):
             v = cap.tokens(f"Vcur-{il}")[:, 0, :].astype(np.float64)  # [n, hd]
             assert k.shape[0] == v.shape[0] == n
 
-            # ATTN: mul_mat quantizes q too (q8_0's dot type); each logit q.k is off by at most
-            # sum_d |q_d| ek_d + eq_d (|k_d| + ek_d), and a softmax whose logits move by <= delta moves each
-            # probability by at most p (e^(2 delta) - 1); the F32 dot adds sum_rtol(hd) of sum |q||k|
-            eq, ek = q8_step(q), q8_step(k)
+            # ATTN: mul_mat quantizes q too (q8_0's dot type); each logit q.k = Hq.Hk is off by at most
+            # sum_d |q_d| ek_d + eq_d (|k_d| + ek_d) in the rotated values, and a softmax whose logits move by
+            # <= delta moves each probability by at most p (e^(2 delta) - 1); the F32 dot adds sum_rtol(hd)
+            # of sum |q||k|
+            logits = q @ k.T
+            (q, rq), (k, rk) = rotate(q, hd), rotate(k, hd)  # hd = 256: a power of two
+            eq, ek = q8_step(q) + rq, q8_step(k) + rk
             f32_delta = sum_rtol(hd) * (np.abs(q) + eq) @ (np.abs(k) + ek).T  # [n_head, n]
             delta = np.abs(q) @ ek.T + eq @ (np.abs(k) + ek).T + f32_delta
-            logits = q @ k.T
             p = np.exp(logits - logits.max(axis=1, keepdims=True))
             p /= p.sum(axis=1, keepdims=True)
             bound = p * np.expm1(2 * delta.max(axis=1, keepdims=True)) + sum_rtol(n) * p
@@ -103,8 +127,9 @@ def test_q8_0_statistics_against_numpy(gemma_model, tokens):
 
             # VNORM (patch 0010): the norm of the values as the q8_0 cache holds them
             vnorm = e.stat("vnorm", il).values[0].astype(np.float64)
-            ev = np.linalg.norm(q8_step(v), axis=1)  # ||v_q - v|| <= this
             exact = np.linalg.norm(v, axis=1)
+            v, rv = rotate(v, 64)
+            ev = np.linalg.norm(q8_step(v) + rv, axis=1)  # ||v_q - Hv|| <= this
             assert (np.abs(vnorm - exact) <= ev + norm_rtol(hd) * exact).all(), f"vnorm layer {il}"
             ref = np.linalg.norm(q8_round(v), axis=1)
             rounded_through_q8.append(np.abs(vnorm - ref) <= 2 * norm_rtol(hd) * ref)
@@ -128,7 +153,7 @@ def test_q8_0_statistics_against_numpy(gemma_model, tokens):
             assert (verr > 0).mean() > 0.99
         # the norms are those of the rounded values, not of the F32 ones (one value in a row may round the other
         # way in ggml's SIMD quantizer at a tie: allow a few rows)
-        assert np.mean(rounded_through_q8) > 0.95
+        assert np.mean(rounded_through_q8) > 0.95, np.mean(rounded_through_q8)
 
 
 def test_llama_with_q8_0_evicts_and_reads_every_statistic(gemma_model, license_text):
