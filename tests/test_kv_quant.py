@@ -193,3 +193,23 @@ def test_kv_type_refusals(fixture_model, gemma_model):
         Llama(str(gemma_model), kv_type="q8_0", flash_attn=False, verbose=False)
     with pytest.raises(AhakvError, match="KV type must be f16 or q8_0"):
         Llama(str(gemma_model), kv_type="q4_1", verbose=False)
+
+
+def test_generate_with_kv_type(gemma_model, fixture_model):
+    import subprocess
+    import sys
+
+    def ahakv(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "ahakv_local", "generate", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    proc = ahakv(str(gemma_model), "-p", "The GNU General Public License is", "-n", "8", "--budget", "64",
+                 "--kv-type", "q8_0", "--stats")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    info = read_info(gemma_model)
+    cells = int(proc.stderr.split(" allocated")[0].rsplit("(", 1)[1])
+    mib = cells * info.cell_bytes(info.n_layer, "q8_0", "q8_0") / 2**20
+    assert f"{mib:.1f} MiB KV" in proc.stderr
+    proc = ahakv(str(fixture_model), "-p", "x", "--kv-type", "q8_0")
+    assert proc.returncode == 1 and proc.stderr.strip().endswith("cannot be stored as q8_0 (blocks of 32)")
+    assert len(proc.stderr.strip().splitlines()) == 1
