@@ -2,7 +2,11 @@
 
 Both sides are driven the way an app drives them (``generate`` and ``eval`` of llama-cpp-python) on
 the same patched engine. The plain ``llama_cpp.Llama`` runs upstream's graph (no statistics), so a
-ratio is exactly what the policy costs.
+ratio is exactly what the policy costs. Two plain baselines: ``plain`` is llama-cpp-python's default
+(swa_full: the sliding-window cache as large as the full one), ``trimmed`` is what llama.cpp's own
+tools allocate (swa_full off: the sliding-window cache holds its window plus one ubatch). Each row also
+states the KV bytes it would allocate to read ``memory_context`` tokens (the baselines grow with it, a
+budget does not).
 
 - ``speed_at_budget``: every policy reads a text of 2x the budget (so its cache is full and evicting),
   then generates; the plain run reads just enough of the text to hold the same mean number of live
@@ -17,7 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import llama_cpp
@@ -25,7 +29,22 @@ import numpy as np
 
 from .budget import Budget, default_evict_every
 from .engine import Engine
+from .info import read_info
 from .llama import Llama
+
+BATCH = 64  # prompt tokens per decode call in the speed runs (their n_batch and n_ubatch)
+BASELINES = {"plain": True, "trimmed": False}  # plain engine, no tap: swa_full on (llama-cpp-python), off (llama.cpp)
+
+
+def memory_at(model: Path, rows: list[SpeedRow], context: int, n_ubatch: int) -> None:
+    """Fill ``kv_bytes_at_context``: a baseline allocates for the whole context (its caches as llama.cpp sizes
+    them, ``ModelInfo.caches``, read from the GGUF header), a budgeted run what it allocated already."""
+    info = read_info(model)
+    for row in rows:
+        if row.label in BASELINES:
+            row.kv_bytes_at_context = sum(c.bytes for c in info.caches(context, BASELINES[row.label], n_ubatch))
+        else:
+            row.kv_bytes_at_context = row.kv_bytes
 
 
 @dataclass
@@ -38,6 +57,7 @@ class SpeedRow:
     decode_tps: float  # median over rounds
     kv_bytes: int  # the KV buffer as allocated
     ratio: float = 1.0  # decode_tps / plain's
+    kv_bytes_at_context: int = 0  # what reading ``memory_context`` tokens allocates (0: not asked)
     decode_runs: list[float] = field(default_factory=list)
 
 
@@ -101,7 +121,7 @@ def speed_at_budget(
     policies: list[str],
     decode_tokens: int = 64,
     rounds: int = 5,
-    batch: int = 64,
+    batch: int = BATCH,
     evict_every: int | None = None,
     observe_steps: int | None = 1,
     progress: Callable[[str], None] = lambda _: None,
@@ -110,8 +130,10 @@ def speed_at_budget(
     through ``Llama.generate`` (greedy), as an app sees them."""
     evict_every, plain_prompt = _plan(tokens, budget, evict_every, decode_tokens)
     models: dict[str, tuple[llama_cpp.Llama, list[int], Callable[[], int]]] = {}
-    plain = llama_cpp.Llama(**_quiet(model, n_ctx=budget + evict_every + decode_tokens + batch, n_batch=batch))
-    models["plain"] = (plain, tokens[:plain_prompt], lambda: plain.n_tokens)
+    for label, swa_full in BASELINES.items():
+        n_ctx = budget + evict_every + decode_tokens + batch
+        plain = llama_cpp.Llama(**_quiet(model, n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, swa_full=swa_full))
+        models[label] = (plain, tokens[:plain_prompt], lambda plain=plain: plain.n_tokens)
     for name in policies:
         llm = Llama(
             **_quiet(model, n_batch=batch, n_ubatch=batch),
@@ -141,7 +163,7 @@ def engine_speed_at_budget(
     policies: list[str],
     decode_tokens: int = 64,
     rounds: int = 5,
-    batch: int = 64,
+    batch: int = BATCH,
     evict_every: int | None = None,
     observe_steps: int | None = 1,
     progress: Callable[[str], None] = lambda _: None,
@@ -155,11 +177,11 @@ def engine_speed_at_budget(
 
     evict_every, plain_prompt = _plan(tokens, budget, evict_every, decode_tokens)
     cfg = EngineConfig(n_ctx=budget + evict_every + decode_tokens + batch, n_batch=batch, n_ubatch=batch)
-    engines = {"plain": Engine(model, cfg)}
+    engines = {label: Engine(model, replace(cfg, swa_full=swa_full)) for label, swa_full in BASELINES.items()}
     engines.update({name: Engine(model, cfg) for name in policies})
 
-    def plain_run() -> tuple[float, float, float]:
-        e = engines["plain"]
+    def plain_run(label: str) -> tuple[float, float, float]:
+        e = engines[label]
         e.truncate(0)
         t0 = time.perf_counter()
         for i in range(0, plain_prompt, batch):
@@ -183,10 +205,11 @@ def engine_speed_at_budget(
             cells.append(ctl.live.size)
         return t1 - t0, time.perf_counter() - t1, float(np.mean(cells))
 
-    runs = {"plain": plain_run} | {name: (lambda n=name: policy_run(n)) for name in policies}
+    runs = {label: (lambda b=label: plain_run(b)) for label in BASELINES}
+    runs |= {name: (lambda n=name: policy_run(n)) for name in policies}
     try:
         times = _interleave(runs, rounds, progress)
-        prompts = {name: plain_prompt if name == "plain" else 2 * budget for name in runs}
+        prompts = {name: plain_prompt if name in BASELINES else 2 * budget for name in runs}
         kv_bytes = {name: e.kv_bytes() for name, e in engines.items()}
         return _rows(times, prompts, kv_bytes, budget, decode_tokens)
     finally:

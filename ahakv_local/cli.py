@@ -136,6 +136,14 @@ def engine_options(f):
             help="Prompt tokens per decode call (default: 64 with a budget, to keep the cells near it; 512).",
         ),
         click.option(
+            "--kv-type",
+            type=click.Choice(["f16", "q8_0"]),
+            default="f16",
+            show_default=True,
+            envvar="AHAKV_KV_TYPE",
+            help="KV cache type of K and V (q8_0: about half the bytes of f16; turns flash attention on).",
+        ),
+        click.option(
             "--reading",
             type=click.Choice(["query", "plain", "reconstruct"]),
             default="query",
@@ -296,14 +304,25 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
 @click.argument("model", required=False, envvar="AHAKV_MODEL")
 @click.option("-b", "--budget", default=512, show_default=True, help="Budget to compare with the full cache.")
 @click.option("-c", "--ctx-size", type=int, default=None, help="Context length to compare at (default: trained).")
-def info(model, budget, ctx_size) -> None:
-    """Architecture, heads, sliding window, trained context and KV bytes of MODEL."""
+@click.option(
+    "-ub",
+    "--ubatch-size",
+    type=Positive,
+    default=512,
+    show_default=True,
+    help="llama.cpp's n_ubatch: a trimmed sliding-window cache holds the window plus one ubatch.",
+)
+def info(model, budget, ctx_size, ubatch_size) -> None:
+    """Architecture, heads, sliding window, trained context and KV bytes of MODEL, per KV cache for
+    swa_full on (llama-cpp-python's default) and off (llama.cpp's own tools: the sliding cache trimmed)."""
     from .info import describe, read_info
     from .models import resolve_model
 
     if budget < 1:
         raise AhakvError("--budget must be at least 1 cell")
-    click.echo(describe(read_info(resolve_model(model, progress=True)), budget, ctx_size))
+    if ctx_size is not None and ctx_size < 1:
+        raise AhakvError("--ctx-size must be at least 1")
+    click.echo(describe(read_info(resolve_model(model, progress=True)), budget, ctx_size, ubatch_size))
 
 
 @main.command()

@@ -110,8 +110,10 @@ def eval_ppl(
     model, text_file, tokens, prefix, budgets, policies, ablations, ablations_at, step, evict_every, observe_steps,
     sinks, recent, out_dir,
 ) -> None:  # fmt: skip
-    """Streaming perplexity, KL from the full cache and top-1 agreement per policy and budget."""
-    from .evaluation import evaluate
+    """Streaming perplexity, KL from the full cache and top-1 agreement per policy and budget; for a model with a
+    sliding-window cache also llama.cpp's own baseline, every position kept in a trimmed sliding cache."""
+    from .evaluation import TRIMMED, evaluate
+    from .info import read_info
     from .policies.ahakv import ABLATIONS
     from .report import write_ppl_report
 
@@ -130,7 +132,8 @@ def eval_ppl(
     floor = sinks + recent + 1
     cells = _cells(budgets, len(ids), floor)
     ablated = cells if ablations else _cells(ablations_at, len(ids), floor) if ablations_at else []
-    configs = []  # named specs: every policy at every budget, then AhaKV without each component
+    # named specs: llama.cpp's trimmed full cache, every policy at every budget, then AhaKV without each component
+    configs = [TRIMMED] if read_info(path).n_layer_swa else []
     for c in dict.fromkeys(cells + ablated):
         runs = [(p, p, {}) for p in names] if c in cells else []
         runs += [(k, "ahakv", v) for k, v in ABLATIONS.items()] if c in ablated else []
@@ -300,6 +303,12 @@ def bench_group() -> None:
     help="Checkpoints of the long run, full cache vs budget (capped at the trained context; empty: skip).",
 )
 @click.option("--long-policy", default="ahakv", show_default=True)
+@click.option(
+    "--memory-context",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Also state the KV memory each row allocates to read this many tokens (default: the trained context).",
+)
 @click.option("--out", "out_dir", default="bench-out", show_default=True, help="Folder for the outputs.")
 def bench_speed(
     model,
@@ -312,11 +321,13 @@ def bench_speed(
     observe_steps,
     long_context,
     long_policy,
+    memory_context,
     out_dir,
 ) -> None:
-    """Decode and prompt tokens/s: plain llama-cpp-python vs each policy at the same live cells; a long
-    run to the trained context, full cache vs budget; KV memory of each."""
-    from .bench import engine_speed_at_budget, long_run, speed_at_budget
+    """Decode and prompt tokens/s: plain llama-cpp-python (swa_full, its default), plain llama.cpp with the
+    sliding-window cache trimmed (swa_full off, as llama-server) and each policy at the same live cells; a long
+    run to the trained context, full cache vs budget; KV memory of each, also at --memory-context tokens."""
+    from .bench import BATCH, engine_speed_at_budget, long_run, memory_at, speed_at_budget
     from .info import read_info
     from .report import write_speed_report
 
@@ -337,6 +348,10 @@ def bench_speed(
         bar.unit = "run"
         core = engine_speed_at_budget(path, ids, budget, names, progress=lambda _: bar.update(1), **kw)
     trained = read_info(path).n_ctx_train
+    memory_context = memory_context or trained
+    for rows in (app, core):
+        memory_at(path, rows, memory_context, BATCH)  # the runs' n_ubatch
+    kw["memory_context"] = memory_context
     checkpoints = sorted({min(int(c), trained - decode_tokens - 1) for c in long_context.split(",") if c.strip()})
     checkpoints = [c for c in checkpoints if c + 16 <= len(ids)]
     long_rows = []

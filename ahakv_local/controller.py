@@ -95,8 +95,6 @@ class KVController:
         self.engine, self.config = engine, config
         self.check_budget(config.budget, policy)
         self.groups: list[LayerGroup] = make_groups(engine, policy, self.allocation(config.budget))
-        if engine.config.flash_attn and self._flags(0) & TapFlag.ATTN:
-            raise AhakvError(f"policy {policy.name} reads the model's softmax: turn flash attention off")
         self.stats = ControllerStats(cells_used=self.live.size, tokens_seen=engine.n_past)
         self.step_count = 0
         self._tap: tuple[TapFlag, int] | None = None

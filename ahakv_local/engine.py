@@ -30,12 +30,25 @@ import numpy as np
 from . import upstream
 from .budget import CacheLayout
 from .errors import AhakvError
-from .info import check_architecture
+from .info import KV_TYPES, check_kv_types, read_info
 from .native import EvictError, TapFlag, lib
 
 SEQ = 0  # the sequence of an engine made for one (a view has its own)
 
-_GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
+_GGML_TYPES = {name: ggml_type for name, (ggml_type, _, _) in KV_TYPES.items()}
+KV_CACHE_TYPES = ("f16", "q8_0")  # what --kv-type / kv_type offer (K and V alike)
+
+
+def kv_type_params(kv_type: str, flash_attn: bool | None = None) -> dict:
+    """llama_cpp.Llama's arguments for K and V caches of ``kv_type``: a quantized V needs flash attention, which
+    is turned on (the tap then reads the model's softmax as the side pass at scale 1)."""
+    if kv_type not in KV_CACHE_TYPES:
+        raise AhakvError(f"KV type must be {' or '.join(KV_CACHE_TYPES)}, not {kv_type!r}")
+    quantized = kv_type != "f16"
+    if quantized and flash_attn is False:
+        raise AhakvError(f"a {kv_type} KV cache needs flash attention: drop flash_attn=False")
+    ggml_type = _GGML_TYPES[kv_type]
+    return {"type_k": ggml_type, "type_v": ggml_type} | ({"flash_attn": True} if quantized else {})
 
 
 @dataclass(frozen=True)
@@ -45,7 +58,7 @@ class EngineConfig:
     n_ubatch: int = 512  # tokens per graph evaluation
     n_threads: int | None = None  # default: every core
     n_gpu_layers: int = 0
-    flash_attn: bool = False  # the model's softmax is only tappable with flash attention off
+    flash_attn: bool = False  # on: the tap's ATTN is the side pass at scale 1 (the flash kernel keeps its softmax)
     type_k: str = "f16"
     type_v: str = "f16"
     swa_full: bool = True  # Gemma 3: give the sliding-window cache as many cells as the full one
@@ -96,7 +109,8 @@ class Engine:
         path = Path(model_path)
         if not path.is_file():
             raise AhakvError(f"model file not found: {path}")
-        check_architecture(path)  # one line for a model the tap or eviction cannot handle, before llama.cpp
+        # one line for a model the tap or eviction cannot handle, or K/V types its heads cannot be stored in
+        check_kv_types(read_info(path), config.type_k, config.type_v)
         cache_cells = self._check_cache_cells(config, min(config.n_ubatch, config.n_batch))
         self.native = lib()  # refuses an unpatched engine before anything is loaded
 
@@ -402,9 +416,8 @@ class Engine:
     # -- attention tap -----------------------------------------------------------------------------
 
     def set_tap(self, flags: TapFlag, window: int = 0) -> None:
-        """Statistics to compute in-graph, over the last ``window`` query rows of each decode call (0 = all)."""
-        if (flags & TapFlag.ATTN) and self.config.flash_attn:
-            raise AhakvError("the model's softmax does not exist with flash attention on: use TapFlag.SIDE")
+        """Statistics to compute in-graph, over the last ``window`` query rows of each decode call (0 = all).
+        Under flash attention ATTN is the side pass at scale 1 (patch 0009)."""
         self.native.set_tap(self.ctx, int(flags), window)
 
     def set_side_scale(self, scale: float) -> None:

@@ -26,6 +26,9 @@ from .session import BoundedSession, SessionSpec, open_session
 
 Q_LEVELS = 65535  # uint16
 FULL = SessionSpec()  # the reference: every position kept
+# llama.cpp's own baseline (llama-server, llama-cli: swa_full off): every position kept, the sliding-window cache
+# holding its window plus one chunk (budget.allocate, natural, no eviction: llama.cpp reuses what left the window)
+TRIMMED = SessionSpec("trimmed", layer_budgets="natural")
 
 
 @dataclass
@@ -39,6 +42,7 @@ class PplResult:
     params: dict = field(default_factory=dict)
     kl: float = 0.0  # mean KL(full || this) per scored token, nats
     top1: float = 1.0  # fraction of steps whose argmax equals the full cache's
+    kv_bytes: int = 0  # K+V bytes its engine allocated (every cache)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -126,6 +130,10 @@ class _Run:
     top1: list[bool] = field(default_factory=list)
     peak: int = 0
     seconds: float = 0.0
+    kv_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.kv_bytes = self.session.engine.kv_bytes()
 
     @property
     def ctl(self) -> KVController:
@@ -143,6 +151,7 @@ class _Run:
             dict(spec.params),
             float(np.mean(self.kl)) if self.kl else 0.0,
             float(np.mean(self.top1)) if self.top1 else 1.0,
+            self.kv_bytes,
         )
 
 

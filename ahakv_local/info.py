@@ -14,6 +14,16 @@ from .gguf_header import Value, read_header
 # reads layer 0's for all.
 SUPPORTED = frozenset({"llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "cohere2", "starcoder2"})
 
+# sliding-window layers as the vendored llama.cpp lays them out (src/models/<arch>.cpp, load_swa_pattern): every
+# layer but each n-th slides, unless the GGUF's attention.sliding_window_pattern says otherwise (a period or one
+# flag per layer). phi3's window is off in llama.cpp; gemma2's defaults to 4096 without the key.
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "cohere2": 4}
+SWA_DEFAULT = {"gemma2": 4096}
+
+# KV cache element types: ggml type id, bytes per block, values per block (ggml/src/ggml.c type_traits)
+KV_TYPES = {"f32": (0, 4, 1), "f16": (1, 2, 1), "q4_0": (2, 18, 32), "q8_0": (8, 34, 32), "bf16": (30, 2, 1)}
+N_PAD = 256  # llama.cpp pads the context, and the trimmed sliding-window cache, to a multiple of this
+
 
 @dataclass
 class ModelInfo:
@@ -28,10 +38,69 @@ class ModelInfo:
     n_ctx_train: int
     sliding_window: int  # 0 = none
     file_bytes: int
+    n_layer_swa: int = 0  # layers that read the sliding-window cache (the others read the full one)
 
     def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
         """K and V of one token over all layers, F16 by default."""
         return self.n_layer * self.n_head_kv * (self.head_dim_k + self.head_dim_v) * bytes_per_value
+
+    def cell_bytes(self, n_layers: int, type_k: str = "f16", type_v: str = "f16") -> int:
+        """K and V bytes of one cell over ``n_layers`` layers, as ggml sizes a row of each type."""
+        return n_layers * (
+            row_bytes(type_k, self.n_head_kv * self.head_dim_k) + row_bytes(type_v, self.n_head_kv * self.head_dim_v)
+        )
+
+    def caches(
+        self, n_ctx: int, swa_full: bool, n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16"
+    ) -> list[CacheSize]:
+        """The KV caches llama.cpp allocates for a context of ``n_ctx`` (llama_kv_cache_iswa): the full-attention
+        cache gets n_ctx padded to 256 cells; the sliding-window cache as many with ``swa_full`` (llama-cpp-python's
+        default) or else, as llama.cpp's own tools do, window + n_ubatch padded to 256 (never more than the other)."""
+        base = -(-n_ctx // N_PAD) * N_PAD
+        out = [
+            CacheSize(
+                "full",
+                self.n_layer - self.n_layer_swa,
+                base,
+                self.cell_bytes(self.n_layer - self.n_layer_swa, type_k, type_v),
+            )
+        ]
+        if self.n_layer_swa:
+            trimmed = min(base, -(-min(base, self.sliding_window + n_ubatch) // N_PAD) * N_PAD)
+            cells = base if swa_full else trimmed
+            out.append(CacheSize("sliding", self.n_layer_swa, cells, self.cell_bytes(self.n_layer_swa, type_k, type_v)))
+        return out
+
+
+@dataclass(frozen=True)
+class CacheSize:
+    """One KV cache as llama.cpp allocates it: the layers reading it, its cells, and K+V bytes of one cell."""
+
+    name: str  # "full" or "sliding"
+    n_layer: int
+    cells: int
+    cell_bytes: int  # over all its layers
+
+    @property
+    def bytes(self) -> int:
+        return self.cells * self.cell_bytes
+
+
+def check_kv_types(info: ModelInfo, type_k: str, type_v: str) -> None:
+    """An AhakvError (one line) for K/V cache types a model's heads cannot be stored in (llama.cpp would abort):
+    each head's row must hold whole blocks of a quantized type."""
+    row_bytes(type_k, info.head_dim_k)
+    row_bytes(type_v, info.head_dim_v)
+
+
+def row_bytes(type_name: str, n: int) -> int:
+    """Bytes of ``n`` values of a KV type (ggml_row_size)."""
+    if type_name not in KV_TYPES:
+        raise AhakvError(f"KV type must be one of {', '.join(KV_TYPES)}, not {type_name!r}")
+    _, block_bytes, block = KV_TYPES[type_name]
+    if n % block:
+        raise AhakvError(f"a KV row of {n} values cannot be stored as {type_name} (blocks of {block})")
+    return n // block * block_bytes
 
 
 def _architecture(kv: dict[str, Value], path: Path) -> str:
@@ -65,40 +134,65 @@ def read_info(path: Path) -> ModelInfo:
         return int(v) if isinstance(v, (int, float)) else default
 
     n_head = num("attention.head_count")
+    n_layer = num("block_count")
+    window = num("attention.sliding_window", SWA_DEFAULT.get(arch, 0)) if arch in SWA_PATTERN else 0
+    n_swa = _swa_layers(kv.get(f"{arch}.attention.sliding_window_pattern"), SWA_PATTERN.get(arch, 0), n_layer)
     head_dim = num("embedding_length") // n_head if n_head else 0
     name = kv.get("general.name")
     return ModelInfo(
         path=path,
         name=name if isinstance(name, str) else path.stem,
         architecture=arch,
-        n_layer=num("block_count"),
+        n_layer=n_layer,
         n_head=n_head,
         n_head_kv=num("attention.head_count_kv", n_head),
         head_dim_k=num("attention.key_length", head_dim),
         head_dim_v=num("attention.value_length", head_dim),
         n_ctx_train=num("context_length"),
-        sliding_window=num("attention.sliding_window"),
+        sliding_window=window,
         file_bytes=path.stat().st_size,
+        n_layer_swa=n_swa if window > 0 else 0,
     )
+
+
+def _swa_layers(pattern: Value | None, default: int, n_layer: int) -> int:
+    """How many layers slide (llama_hparams::set_swa_pattern): one flag per layer, or a period n (every n-th
+    layer attends fully; 0: every layer slides; no period: no layer does)."""
+    if isinstance(pattern, tuple):
+        return sum(bool(f) for f in pattern[:n_layer])
+    period = int(pattern) if isinstance(pattern, (int, float)) else default
+    if period == 0:
+        return n_layer if pattern is not None else 0
+    return sum(il % period < period - 1 for il in range(n_layer))
 
 
 def mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def describe(info: ModelInfo, budget: int, context: int | None) -> str:
+def describe(info: ModelInfo, budget: int, context: int | None, n_ubatch: int = 512) -> str:
     context = context or info.n_ctx_train
     per_token = info.kv_bytes_per_token()
     full, bounded = per_token * context, per_token * budget
     lines = [
         f"model          {info.name} ({info.path.name}, {mib(info.file_bytes)})",
         f"architecture   {info.architecture}",
-        f"layers         {info.n_layer}",
+        f"layers         {info.n_layer}"
+        + (
+            f" ({info.n_layer - info.n_layer_swa} full attention, {info.n_layer_swa} sliding window)"
+            if info.n_layer_swa
+            else ""
+        ),
         f"heads          {info.n_head} query, {info.n_head_kv} KV (head size {info.head_dim_k})",
-        f"sliding window {info.sliding_window or 'none'}" + (" (a second KV cache)" if info.sliding_window else ""),
+        f"sliding window {info.sliding_window or 'none'}" + (" (a second KV cache)" if info.n_layer_swa else ""),
         f"trained ctx    {info.n_ctx_train:,} positions",
         f"KV per token   {per_token:,} bytes (F16 K and V, all layers)",
         f"at {context:,} tokens  full cache {mib(full)}; budget {budget:,} cells {mib(bounded)} "
         f"({full / bounded:.0f}x smaller, {100 * (1 - bounded / full):.1f}% saved)",
     ]
+    if info.n_layer_swa:
+        for swa_full, who in ((True, "llama-cpp-python's default"), (False, "llama-server, llama-cli")):
+            caches = info.caches(context, swa_full, n_ubatch)
+            parts = " + ".join(f"{c.name} {mib(c.bytes)} ({c.cells:,} cells x {c.n_layer} layers)" for c in caches)
+            lines.append(f"KV swa_full={swa_full!s:<5} {mib(sum(c.bytes for c in caches))} = {parts} ({who})")
     return "\n".join(lines)

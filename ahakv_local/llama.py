@@ -33,9 +33,9 @@ import numpy as np
 from . import native, upstream
 from .budget import QUERY_TOKENS, Budget, cells_for
 from .controller import ControllerStats, KVController
-from .engine import Engine
+from .engine import Engine, kv_type_params
 from .errors import AhakvError
-from .info import read_info
+from .info import check_kv_types, read_info
 from .session import SessionSpec, guide, model_layout
 
 
@@ -133,6 +133,7 @@ class Llama(llama_cpp.Llama):
         kv_reuse_compressed: bool = False,
         kv_query: bool | str = True,
         kv_layer_budgets: str = "shared",
+        kv_type: str | None = None,
         n_ctx: int = 512,
         n_batch: int = 512,
         **kwargs,
@@ -147,6 +148,9 @@ class Llama(llama_cpp.Llama):
         self._kv_query_default = kv_query
         self._kv_guide = None  # what the next prompt is read with (set per request)
         self._chat_question: str | None = None
+        if kv_type is not None:  # K and V of that type (q8_0: flash attention on)
+            kwargs.update(kv_type_params(kv_type, kwargs.get("flash_attn")))
+            check_kv_types(read_info(Path(model_path)), kv_type, kv_type)
         if kv_budget is None:
             check_cells(model_path, n_ctx, None)
             super().__init__(model_path, n_ctx=n_ctx, n_batch=n_batch, **kwargs)
@@ -177,7 +181,8 @@ class Llama(llama_cpp.Llama):
         if budget.mode == "bytes" or kv_layer_budgets != "shared":
             # every cache sized exactly as the budget is laid out on the layer groups (budget.allocate)
             chunk = min(kwargs.get("n_ubatch", 512), n_batch)
-            sizes = spec.allocation(model_layout(Path(model_path)), chunk, n_ctx).cache_cells
+            types = (kv_type, kv_type) if kv_type else ()
+            sizes = spec.allocation(model_layout(Path(model_path), *types), chunk, n_ctx).cache_cells
             cells = sizes[0]
             kwargs.setdefault("swa_full", not sizes[1])
             native.lib().set_next_cache_cells(*sizes)  # consumed by the context llama_cpp.Llama creates next

@@ -64,18 +64,18 @@ def write_ppl_report(
     lines = [
         f"# streaming perplexity: {model.name}, {tokens} tokens of {text}, {step} token(s) per step",
         "",
-        "| configuration | budget | compression | ppl | vs full | KL (nats) | top-1 |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| configuration | budget | compression | ppl | vs full | KL (nats) | top-1 | KV MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, r in results.items():
         name = label.split("@")[0]
         lines.append(
             f"| {name} | {r.budget} | {r.budget.compression(tokens):.1f}x | {r.ppl:.3f} | "
-            f"{100 * (r.ppl / full - 1):+.1f}% | {r.kl:.4f} | {r.top1:.3f} |"
+            f"{100 * (r.ppl / full - 1):+.1f}% | {r.kl:.4f} | {r.top1:.3f} | {r.kv_bytes / 2**20:.2f} |"
         )
     out.mkdir(parents=True, exist_ok=True)
     plot_ppl(results, tokens, out / "ppl_vs_budget.png", f"{model.name}: {Path(text).name}, {tokens} tokens")
-    fields = ["label", "policy", "budget", "tokens", "ppl", "kl", "top1", "max_cells", "seconds"]
+    fields = ["label", "policy", "budget", "tokens", "ppl", "kl", "top1", "max_cells", "kv_bytes", "seconds"]
     _write(out, meta, rows, fields, lines)
     return lines
 
@@ -130,17 +130,26 @@ def write_speed_report(
     meta = provenance(model, ",".join(texts), max([r.context for r in long], default=0)) | settings
     rows = [{"table": "generate", **asdict(r)} for r in app] + [{"table": "engine", **asdict(r)} for r in core]
     rows += [{"table": "long", **asdict(r)} for r in long]
-    lines = [f"# speed: {model.name}, budget {app[0].budget} cells", ""]
+    at = settings.get("memory_context")
+    lines = [
+        f"# speed: {model.name}, budget {app[0].budget} cells",
+        "",
+        "plain: llama-cpp-python's default (swa_full: the sliding-window cache as large as the full one); trimmed: "
+        "llama.cpp's own tools (swa_full off: window + one ubatch); both without the tap. KV MiB: allocated for this "
+        + (f"run; at {at:,}: allocated to read {at:,} tokens." if at else "run."),
+        "",
+    ]
     for title, table in (("through Llama.generate (greedy)", app), ("engine only (llama_decode, no sampling)", core)):
         lines += [
             f"## {title}",
             "",
-            "| run | live cells | prompt tok/s | decode tok/s | ratio to plain | KV MiB |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| run | live cells | prompt tok/s | decode tok/s | ratio to plain | KV MiB |"
+            + (f" KV MiB at {at:,} |" if at else ""),
+            "|---|---:|---:|---:|---:|---:|" + ("---:|" if at else ""),
         ]
         lines += [
             f"| {r.label} | {r.live_cells:.0f} | {r.prompt_tps:.1f} | {r.decode_tps:.2f} | {r.ratio:.3f} | "
-            f"{r.kv_bytes / 2**20:.1f} |"
+            f"{r.kv_bytes / 2**20:.1f} |" + (f" {r.kv_bytes_at_context / 2**20:.1f} |" if at else "")
             for r in table
         ]
         lines.append("")

@@ -20,6 +20,7 @@ from pathlib import Path
 from ahakv_local.budget import Budget
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.evaluation import evaluate
+from ahakv_local.info import read_info
 from ahakv_local.models import default_model_path
 from ahakv_local.session import SessionSpec
 
@@ -27,10 +28,9 @@ FRACTIONS = (2, 4, 8)
 
 
 def trimmed_bytes(model: Path, n_tokens: int, n_ubatch: int) -> int:
-    """K+V bytes llama.cpp itself allocates for n_tokens with the sliding cache trimmed to its window."""
-    config = EngineConfig(n_ctx=n_tokens, n_batch=n_ubatch, n_ubatch=n_ubatch, swa_full=False)
-    with Engine(model, config) as e:
-        return e.kv_bytes()
+    """K+V bytes llama.cpp itself allocates for n_tokens with the sliding cache trimmed to its window (from the
+    GGUF header: ``ModelInfo.caches``, equal to the engine's allocation in tests/test_info_caches.py)."""
+    return sum(c.bytes for c in read_info(model).caches(n_tokens, swa_full=False, n_ubatch=n_ubatch))
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ def test_bench_speed_command_writes_every_output(fixture_model, tmp_path):
     rows = data["results"]
     for table in ("generate", "engine"):
         speed = [r for r in rows if r["table"] == table]
-        assert [r["label"] for r in speed] == ["plain", "h2o", "ahakv"]
+        assert [r["label"] for r in speed] == ["plain", "trimmed", "h2o", "ahakv"]
         assert speed[0]["ratio"] == 1.0 and all(r["decode_tps"] > 0 and r["prompt_tps"] > 0 for r in speed)
         assert all(len(r["decode_runs"]) == 2 for r in speed)
         # the same number of live cells on both sides: the budget plus half the eviction period
@@ -41,7 +41,7 @@ def test_bench_speed_command_writes_every_output(fixture_model, tmp_path):
         else:
             assert r["kv_cells_used"] <= 64 + 4 and r["kv_bytes_allocated"] < long[-1]["kv_bytes_allocated"]
     assert data["config"]["evict_every"] == 4 and data["config"]["model_sha256"]
-    assert (out / "results.csv").read_text().count("\n") == 1 + 6 + 4
+    assert (out / "results.csv").read_text().count("\n") == 1 + 8 + 4
     assert (out / "long_run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "## long run" in (out / "results.md").read_text()
 

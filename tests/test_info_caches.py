@@ -1,0 +1,101 @@
+"""KV memory per cache read from the GGUF header (``ModelInfo.caches``) against what llama.cpp itself allocates
+(``Engine.kv_bytes(cache)``: llama_kv_cache's own size_k_bytes + size_v_bytes, and its cell counts), for
+swa_full on (llama-cpp-python's default) and off (llama.cpp's llama-server and llama-cli). Exact: both are
+whole numbers of bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from ahakv_local.engine import Engine, EngineConfig, LayerCache
+from ahakv_local.errors import AhakvError
+from ahakv_local.fixture import ARCHITECTURES, SLIDING, FixtureSpec
+from ahakv_local.info import _swa_layers, read_info, row_bytes
+from ahakv_local.models import fixture_path
+
+MIB = 2**20
+
+
+def engine_caches(model, n_ctx: int, swa_full: bool, n_ubatch: int, **kw) -> list[tuple[str, int, int, int]]:
+    """(name, layers, cells, bytes) of every cache the engine allocated."""
+    config = EngineConfig(n_ctx=n_ctx, n_batch=n_ubatch, n_ubatch=n_ubatch, swa_full=swa_full, **kw)
+    with Engine(model, config) as e:
+        names = {LayerCache.BASE: "full", LayerCache.SLIDING: "sliding"}
+        return [(names[c], e.layer_cache.count(c), e.cache_cells(c), e.kv_bytes(c)) for c in e.caches]
+
+
+def header_caches(model, n_ctx: int, swa_full: bool, n_ubatch: int, **kw) -> list[tuple[str, int, int, int]]:
+    return [(c.name, c.n_layer, c.cells, c.bytes) for c in read_info(model).caches(n_ctx, swa_full, n_ubatch, **kw)]
+
+
+@pytest.mark.parametrize("n_ctx", [2048, 4096, 32768])
+@pytest.mark.parametrize("swa_full", [True, False])
+def test_gemma_caches_equal_the_engines_allocation(gemma_model, n_ctx, swa_full):
+    got = header_caches(gemma_model, n_ctx, swa_full, 512)
+    assert got == engine_caches(gemma_model, n_ctx, swa_full, 512)
+    assert [(name, layers) for name, layers, _, _ in got] == [("full", 3), ("sliding", 15)]
+
+
+def test_gemma_known_answers(gemma_model):
+    """The measured table of issue 11 (MiB with swa_full on / off, llama.cpp's default n_ubatch of 512)."""
+    info = read_info(gemma_model)
+    table = {}
+    for n in (2048, 4096, 8192, 16384, 32768):
+        table[n] = tuple(sum(c.bytes for c in info.caches(n, swa_full)) / MIB for swa_full in (True, False))
+    assert table == {2048: (36, 21), 4096: (72, 27), 8192: (144, 39), 16384: (288, 63), 32768: (576, 111)}
+    # the trimmed sliding cache: window 512 + one ubatch, padded to 256 cells
+    assert [c.cells for c in info.caches(32768, False, 64)] == [32768, 768]
+    assert [c.cells for c in info.caches(300, False, 512)] == [512, 512]  # never more than the full cache
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("n_ctx, n_ubatch", [(300, 64), (1024, 32)])
+@pytest.mark.parametrize("swa_full", [True, False])
+def test_fixture_caches_equal_the_engines_allocation(arch, n_ctx, n_ubatch, swa_full):
+    """Every architecture: one cache, or (gemma2, gemma3, cohere2: window 24, pattern 2) a sliding one too."""
+    model = fixture_path(FixtureSpec(arch=arch))
+    got = header_caches(model, n_ctx, swa_full, n_ubatch)
+    assert got == engine_caches(model, n_ctx, swa_full, n_ubatch)
+    assert len(got) == (2 if arch in SLIDING else 1)
+
+
+@pytest.mark.parametrize("kv_type", ["q8_0", "f32"])
+def test_other_kv_types_equal_the_engines_allocation(gemma_model, kv_type):
+    """ggml's row sizes: q8_0 is 34 bytes per 32 values (a 256-wide head: 272 bytes, against 512 in F16)."""
+    kw = dict(type_k=kv_type, type_v=kv_type)
+    got = header_caches(gemma_model, 4096, False, 512, **kw)
+    assert got == engine_caches(gemma_model, 4096, False, 512, flash_attn=True, **kw)
+    f16 = header_caches(gemma_model, 4096, False, 512)
+    ratio = {"q8_0": 34 / 64, "f32": 2.0}[kv_type]
+    assert [b for *_, b in got] == [b * ratio for *_, b in f16]
+
+
+def test_row_bytes_and_bad_types():
+    assert (row_bytes("f16", 256), row_bytes("q8_0", 256), row_bytes("q4_0", 64)) == (512, 272, 36)
+    with pytest.raises(AhakvError, match="KV type must be one of"):
+        row_bytes("q3_k", 256)
+    with pytest.raises(AhakvError, match="blocks of 32"):
+        row_bytes("q8_0", 48)
+
+
+def test_sliding_layer_patterns():
+    """llama_hparams::set_swa_pattern: every n-th layer (counting from 1) attends fully; 0: all slide; or flags."""
+    assert _swa_layers(None, 6, 18) == 15  # gemma3's default
+    assert _swa_layers(None, 0, 18) == 0  # no pattern, no sliding layer
+    assert _swa_layers(2, 6, 2) == 1  # the GGUF's period wins
+    assert _swa_layers(0, 6, 5) == 5
+    assert _swa_layers((True, False, True, True), 6, 4) == 3
+
+
+def test_info_command_prints_both_layouts(gemma_model):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "ahakv_local", "info", str(gemma_model), "-c", "32768"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "layers         18 (3 full attention, 15 sliding window)" in proc.stdout
+    assert "KV swa_full=True  576.0 MiB = full 96.0 MiB (32,768 cells x 3 layers) + sliding 480.0 MiB" in proc.stdout
+    assert "KV swa_full=False 111.0 MiB = full 96.0 MiB (32,768 cells x 3 layers) + sliding 15.0 MiB" in proc.stdout

@@ -1,0 +1,215 @@
+"""KV quantization composes with the tap and eviction: q8_0 K and V with flash attention on (Gemma 3 270M).
+
+Patch 0009 gives ATTN under flash attention (the side pass at scale 1), patch 0010 VERR and the value norms for a
+q8_0 V. The references are numpy on the run's own Q, K and V (llama.cpp's graph read through cb_eval,
+tests/capture.py) in F32/F64; every tolerance is the q8_0 quantization step, bounded from those values:
+a block of 32 stores round(x / d) with d = max|x| / 127 kept in F16, so each value is off by at most
+d (1/2 + 127 * 2^-11) (the rounding, and the F16 rounding of d times the integer).
+
+With a quantized cache llama.cpp rotates what it stores (llama-kv-cache.cpp, attn_rot_k/attn_rot_v): Q and K by
+an orthonormal Walsh-Hadamard matrix over the largest power of two >= 64 dividing the head size, V over blocks
+of 64, and the attention output back. Dot products and norms do not change; the quantization steps are those
+of the rotated values, so the references rotate too (in F32, as the graph does: off by sum_rtol(n) of the
+block's |x|_1 / sqrt(n) per value).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ahakv_local.engine import Engine, EngineConfig
+from ahakv_local.errors import AhakvError
+from ahakv_local.info import read_info
+from ahakv_local.native import TapFlag
+
+from capture import Capture
+from numerics import F16, distance_rounding, norm_rtol, sum_rtol
+
+PROMPT = 300
+ALL = TapFlag.VNORM | TapFlag.ATTN | TapFlag.SIDE | TapFlag.VERR
+QKV_OPS = {"Qcur-": ("ROPE",), "Kcur-": ("ROPE",), "Vcur-": ("RESHAPE",)}
+BLOCK = 32
+
+
+def q8_step(x: np.ndarray) -> np.ndarray:
+    """Per-value bound on |dequant(quant_q8_0(x)) - x| over blocks of 32 along the last axis (same shape as x)."""
+    blocks = np.abs(x).reshape(*x.shape[:-1], -1, BLOCK)
+    d = blocks.max(axis=-1, keepdims=True) / 127
+    return np.broadcast_to(d * (0.5 + 127 * F16) * (1 + 1e-6), blocks.shape).reshape(x.shape)
+
+
+def hadamard(n: int) -> np.ndarray:
+    """ggml_gen_hadamard: Sylvester's construction, scaled to be orthonormal (symmetric: H @ H = I)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def rotate(x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(H x over blocks of n along the last axis, a per-value bound on the graph's F32 rounding of it)."""
+    blocks = x.reshape(*x.shape[:-1], -1, n)
+    out = (blocks.astype(np.float32) @ hadamard(n).astype(np.float32)).astype(np.float64)
+    err = np.broadcast_to(sum_rtol(n) * np.abs(blocks).sum(axis=-1, keepdims=True) / np.sqrt(n), blocks.shape)
+    return out.reshape(x.shape), err.reshape(x.shape)
+
+
+def q8_round(x: np.ndarray) -> np.ndarray:
+    """ggml's quantize_row_q8_0 then dequantize (round half away from zero, d stored in F16), in float64."""
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, BLOCK)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    q = np.where(d > 0, blocks / np.where(d > 0, d, 1), 0)
+    q = np.sign(q) * np.floor(np.abs(q) + 0.5)
+    return (q * d.astype(np.float16).astype(np.float64)).reshape(x.shape)
+
+
+@pytest.fixture(scope="module")
+def tokens(gemma_model, license_text):
+    with Engine(gemma_model, EngineConfig(n_ctx=256)) as e:
+        return e.tokenize(license_text)[: PROMPT + 2]
+
+
+def run(model, tokens, kv_type: str, flash_attn: bool, cap: Capture | None = None) -> Engine:
+    """Decode the prompt, then one token with every statistic on over that one row; the engine stays open."""
+    config = EngineConfig(
+        n_ctx=1024, n_batch=512, n_ubatch=128, flash_attn=flash_attn, type_k=kv_type, type_v=kv_type
+    )  # fmt: skip
+    e = Engine(model, config, cb_eval=cap.callback if cap else None)
+    e.set_tap(ALL, 1)
+    e.set_side_scale(1.0)
+    e.decode(tokens[:PROMPT])
+    e.reset_stats()
+    e.decode([tokens[PROMPT]])
+    return e
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_attn_under_flash_attention_is_the_side_pass_at_scale_1(gemma_model, tokens, kv_type):
+    """Patch 0009: one node for both, so equal to the bit; a softmax row, summing to 1 over the visible cells."""
+    with run(gemma_model, tokens, kv_type, flash_attn=True) as e:
+        n = PROMPT + 1
+        for il in range(e.n_layer):
+            attn, side = e.stat("attn", il).values, e.stat("side", il).values
+            np.testing.assert_array_equal(attn, side)
+            assert attn.shape == (e.n_head, n) and (attn > 0).all()
+            np.testing.assert_allclose(attn.sum(axis=1), 1.0, rtol=sum_rtol(n))
+
+
+def test_q8_0_statistics_against_numpy(gemma_model, tokens):
+    cap = Capture(("Qcur-", "Kcur-", "Vcur-"), ops=QKV_OPS)
+    n = PROMPT + 1
+    with run(gemma_model, tokens, "q8_0", flash_attn=True, cap=cap) as e:
+        hd = e.head_dim
+        assert e.n_head_kv == 1  # MQA: every query head reads KV head 0
+        q_scale = 1.0 / np.sqrt(hd)  # Gemma 3 pre-scales Q by 1/sqrt(256)
+        rounded_through_q8 = []
+        for il in range(e.n_layer):
+            q = cap.tokens(f"Qcur-{il}")[-1].astype(np.float64) * q_scale  # [n_head, hd]: the decoded row
+            k = cap.tokens(f"Kcur-{il}")[:, 0, :].astype(np.float64)  # [n, hd]: one KV head
+            v = cap.tokens(f"Vcur-{il}")[:, 0, :].astype(np.float64)  # [n, hd]
+            assert k.shape[0] == v.shape[0] == n
+
+            # ATTN: mul_mat quantizes q too (q8_0's dot type); each logit q.k = Hq.Hk is off by at most
+            # sum_d |q_d| ek_d + eq_d (|k_d| + ek_d) in the rotated values, and a softmax whose logits move by
+            # <= delta moves each probability by at most p (e^(2 delta) - 1); the F32 dot adds sum_rtol(hd)
+            # of sum |q||k|
+            logits = q @ k.T
+            (q, rq), (k, rk) = rotate(q, hd), rotate(k, hd)  # hd = 256: a power of two
+            eq, ek = q8_step(q) + rq, q8_step(k) + rk
+            f32_delta = sum_rtol(hd) * (np.abs(q) + eq) @ (np.abs(k) + ek).T  # [n_head, n]
+            delta = np.abs(q) @ ek.T + eq @ (np.abs(k) + ek).T + f32_delta
+            p = np.exp(logits - logits.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            bound = p * np.expm1(2 * delta.max(axis=1, keepdims=True)) + sum_rtol(n) * p
+            a = e.stat("attn", il).values.astype(np.float64)
+            assert (np.abs(a - p) <= bound).all(), f"attn layer {il}: {(np.abs(a - p) / bound).max():.2f} x bound"
+
+            # VNORM (patch 0010): the norm of the values as the q8_0 cache holds them
+            vnorm = e.stat("vnorm", il).values[0].astype(np.float64)
+            exact = np.linalg.norm(v, axis=1)
+            v, rv = rotate(v, 64)
+            ev = np.linalg.norm(q8_step(v) + rv, axis=1)  # ||v_q - Hv|| <= this
+            assert (np.abs(vnorm - exact) <= ev + norm_rtol(hd) * exact).all(), f"vnorm layer {il}"
+            ref = np.linalg.norm(q8_round(v), axis=1)
+            rounded_through_q8.append(np.abs(vnorm - ref) <= 2 * norm_rtol(hd) * ref)
+
+            # VERR (patch 0010; before, zeros): a_j ||v_j - o|| with o = sum_i a_i v_i as the flash kernel
+            # forms it from the dequantized V: against F32 v, each distance is off by <= ev_j + sum_i a_i ev_i,
+            # plus the kernel's own softmax (its F32 dots may sum in another order than the tap's: weights off by
+            # a factor e^(2 f32_delta)) and F32 sums (4 sum_rtol(n) of sum a ||v||), and the graph's cancellation
+            # in ||v||^2 - 2 v.o + ||o||^2 (tests/numerics.py)
+            verr = e.stat("verr", il).values.astype(np.float64)  # [n_head, n]
+            for h in range(e.n_head):
+                ah = a[h]
+                o = ah @ v
+                dist = np.linalg.norm(v - o, axis=1)
+                kernel = np.expm1(2 * f32_delta[h].max()) + 4 * sum_rtol(n)
+                slack = ev + ah @ ev + kernel * (ah @ (exact + ev))
+                slack += distance_rounding(exact + ev, np.linalg.norm(o) + ah @ ev, dist, hd)
+                err = np.abs(verr[h] - ah * dist)
+                bound = ah * slack + sum_rtol(2) * ah * dist
+                assert (err <= bound).all(), f"verr layer {il} head {h}: {(err / bound).max():.2f} x bound"
+            assert (verr > 0).mean() > 0.99
+        # the norms are those of the rounded values, not of the F32 ones (one value in a row may round the other
+        # way in ggml's SIMD quantizer at a tie: allow a few rows)
+        assert np.mean(rounded_through_q8) > 0.95, np.mean(rounded_through_q8)
+
+
+def test_llama_with_q8_0_evicts_and_reads_every_statistic(gemma_model, license_text):
+    """A budgeted AhaKV run on a q8_0 cache: half the bytes of f16 per cell (272 of 512 for a 256-wide head),
+    the live positions are the engine's cell map at every step, and the value statistics are not zeros."""
+    from ahakv_local import Llama
+
+    with Llama(str(gemma_model), kv_budget=96, kv_policy="ahakv", kv_type="q8_0", n_batch=64, verbose=False) as llm:
+        e = llm.kv_engine
+        assert e.config.flash_attn and (e.config.type_k, e.config.type_v) == ("q8_0", "q8_0")
+        info = read_info(gemma_model)
+        per_cell = info.cell_bytes(info.n_layer, "q8_0", "q8_0")
+        assert e.kv_bytes() == e.n_cells() * per_cell == e.n_cells() * info.kv_bytes_per_token() * 34 // 64
+        tokens = e.tokenize(license_text)[:400]
+        ctl = llm.kv_controller
+        ctl.prefill(tokens[:300])
+        for t in tokens[300:400]:
+            ctl.step(t)
+            np.testing.assert_array_equal(ctl.live, e.live_positions())
+            assert ctl.live.size <= 96
+        assert ctl.stats.evicted == 400 - ctl.live.size >= 400 - 96
+        e.set_tap(TapFlag.VERR | TapFlag.ATTN, 1)  # one more token, read by hand: VERR of the compressed cache
+        e.reset_stats()
+        e.decode([tokens[0]])
+        assert all(e.stat("verr", il).values.max() > 0 for il in range(e.n_layer))
+
+
+def test_kv_type_refusals(fixture_model, gemma_model):
+    from ahakv_local import Llama
+
+    # the fixture's heads are 16 wide: no whole q8_0 block (llama.cpp would abort)
+    with pytest.raises(AhakvError, match="16 values cannot be stored as q8_0"):
+        Engine(fixture_model, EngineConfig(n_ctx=256, flash_attn=True, type_k="q8_0", type_v="q8_0"))
+    with pytest.raises(AhakvError, match="16 values cannot be stored as q8_0"):
+        Llama(str(fixture_model), kv_budget=64, kv_type="q8_0", verbose=False)
+    with pytest.raises(AhakvError, match="needs flash attention"):
+        Llama(str(gemma_model), kv_type="q8_0", flash_attn=False, verbose=False)
+    with pytest.raises(AhakvError, match="KV type must be f16 or q8_0"):
+        Llama(str(gemma_model), kv_type="q4_1", verbose=False)
+
+
+def test_generate_with_kv_type(gemma_model, fixture_model):
+    import subprocess
+    import sys
+
+    def ahakv(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "ahakv_local", "generate", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    proc = ahakv(str(gemma_model), "-p", "The GNU General Public License is", "-n", "8", "--budget", "64",
+                 "--kv-type", "q8_0", "--stats")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    info = read_info(gemma_model)
+    cells = int(proc.stderr.split(" allocated")[0].rsplit("(", 1)[1])
+    mib = cells * info.cell_bytes(info.n_layer, "q8_0", "q8_0") / 2**20
+    assert f"{mib:.1f} MiB KV" in proc.stderr
+    proc = ahakv(str(fixture_model), "-p", "x", "--kv-type", "q8_0")
+    assert proc.returncode == 1 and proc.stderr.strip().endswith("cannot be stored as q8_0 (blocks of 32)")
+    assert len(proc.stderr.strip().splitlines()) == 1
