@@ -52,8 +52,8 @@ class LongRow:
     kv_bytes_allocated: int
 
 
-def _quiet(model: Path, **kw) -> dict:
-    return {"model_path": str(model), "verbose": False, **kw}
+def _quiet(model: Path, n_gpu_layers: int = 0, **kw) -> dict:
+    return {"model_path": str(model), "verbose": False, "n_gpu_layers": n_gpu_layers, **kw}
 
 
 def _timed_generate(llm: llama_cpp.Llama, prompt: list[int], n: int, live: Callable[[], int]):
@@ -104,17 +104,19 @@ def speed_at_budget(
     batch: int = 64,
     evict_every: int | None = None,
     observe_steps: int | None = 1,
+    n_gpu_layers: int = 0,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[SpeedRow]:
     """Prompt and decode tokens/s of plain llama-cpp-python and of each policy at ``budget`` live cells,
     through ``Llama.generate`` (greedy), as an app sees them."""
     evict_every, plain_prompt = _plan(tokens, budget, evict_every, decode_tokens)
     models: dict[str, tuple[llama_cpp.Llama, list[int], Callable[[], int]]] = {}
-    plain = llama_cpp.Llama(**_quiet(model, n_ctx=budget + evict_every + decode_tokens + batch, n_batch=batch))
+    n_ctx = budget + evict_every + decode_tokens + batch
+    plain = llama_cpp.Llama(**_quiet(model, n_gpu_layers, n_ctx=n_ctx, n_batch=batch))
     models["plain"] = (plain, tokens[:plain_prompt], lambda: plain.n_tokens)
     for name in policies:
         llm = Llama(
-            **_quiet(model, n_batch=batch, n_ubatch=batch),
+            **_quiet(model, n_gpu_layers, n_batch=batch, n_ubatch=batch),
             kv_budget=budget,
             kv_policy=name,
             kv_evict_every=evict_every,
@@ -144,6 +146,7 @@ def engine_speed_at_budget(
     batch: int = 64,
     evict_every: int | None = None,
     observe_steps: int | None = 1,
+    n_gpu_layers: int = 0,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[SpeedRow]:
     """The same comparison one layer down: ``llama_decode`` of the text's next tokens on an Engine with
@@ -154,7 +157,8 @@ def engine_speed_at_budget(
     from .session import SessionSpec
 
     evict_every, plain_prompt = _plan(tokens, budget, evict_every, decode_tokens)
-    cfg = EngineConfig(n_ctx=budget + evict_every + decode_tokens + batch, n_batch=batch, n_ubatch=batch)
+    n_ctx = budget + evict_every + decode_tokens + batch
+    cfg = EngineConfig(n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, n_gpu_layers=n_gpu_layers)
     engines = {"plain": Engine(model, cfg)}
     engines.update({name: Engine(model, cfg) for name in policies})
 
@@ -254,6 +258,7 @@ def long_run(
     decode_tokens: int = 16,
     evict_every: int | None = None,
     observe_steps: int | None = 1,
+    n_gpu_layers: int = 0,
     progress: Callable[[str, int, int], None] = lambda label, n, total: None,
 ) -> list[LongRow]:
     """The full cache and ``policy`` at ``budget`` read ``tokens`` to each checkpoint and decode there."""
@@ -263,7 +268,7 @@ def long_run(
     rows = []
     label = f"{policy}@{budget}"
     with Llama(
-        **_quiet(model, n_batch=64, n_ubatch=64),
+        **_quiet(model, n_gpu_layers, n_batch=64, n_ubatch=64),
         kv_budget=budget,
         kv_policy=policy,
         kv_evict_every=evict_every,
@@ -271,7 +276,7 @@ def long_run(
     ) as llm:
         seen = [0]
         rows += _long(label, llm, tokens, checkpoints, decode_tokens, _counter(progress, label, last, seen))
-    full = llama_cpp.Llama(**_quiet(model, n_ctx=last, n_batch=512))
+    full = llama_cpp.Llama(**_quiet(model, n_gpu_layers, n_ctx=last, n_batch=512))
     try:
         seen = [0]
         rows += _long("full", full, tokens, checkpoints, decode_tokens, _counter(progress, "full", last, seen))

@@ -300,6 +300,15 @@ def bench_group() -> None:
     help="Checkpoints of the long run, full cache vs budget (capped at the trained context; empty: skip).",
 )
 @click.option("--long-policy", default="ahakv", show_default=True)
+@click.option(
+    "-ngl",
+    "--n-gpu-layers",
+    type=click.IntRange(min=-1),
+    default=0,
+    show_default=True,
+    envvar="AHAKV_N_GPU_LAYERS",
+    help="Layers to offload to the GPU (-1: all), in every run alike.",
+)
 @click.option("--out", "out_dir", default="bench-out", show_default=True, help="Folder for the outputs.")
 def bench_speed(
     model,
@@ -312,6 +321,7 @@ def bench_speed(
     observe_steps,
     long_context,
     long_policy,
+    n_gpu_layers,
     out_dir,
 ) -> None:
     """Decode and prompt tokens/s: plain llama-cpp-python vs each policy at the same live cells; a long
@@ -329,7 +339,13 @@ def bench_speed(
     evict_every, observe = parse_schedule(evict_every, observe_steps)
     if len(ids) < 2 * budget + decode_tokens:
         raise AhakvError(f"the text has {len(ids)} tokens; budget {budget} needs {2 * budget + decode_tokens}")
-    kw = dict(decode_tokens=decode_tokens, rounds=rounds, evict_every=evict_every, observe_steps=observe)
+    kw = dict(
+        decode_tokens=decode_tokens,
+        rounds=rounds,
+        evict_every=evict_every,
+        observe_steps=observe,
+        n_gpu_layers=n_gpu_layers,
+    )
     with _bar("bench speed (generate)", rounds * (len(names) + 1)) as bar:
         bar.unit = "run"
         app = speed_at_budget(path, ids, budget, names, progress=lambda _: bar.update(1), **kw)
@@ -355,6 +371,7 @@ def bench_speed(
             long_policy,
             evict_every=evict_every,
             observe_steps=observe,
+            n_gpu_layers=n_gpu_layers,
             progress=progress,
         )
         for bar in bars.values():
