@@ -54,7 +54,7 @@ step() { # step NAME LOGFILE COMMAND...: run, keep the output, record the exit c
 } >"$OUT/machine.txt"
 
 step build "$OUT/build.txt" "$PY" -m ahakv_local build "--$DEVICE" ${BUILD_ARGS:-}
-"$PY" -c 'import sys; sys.path.insert(0, "tests"); import device; print("engine device:", device.description())' \
+AHAKV_TEST_DEVICE=$DEVICE "$PY" -c 'import sys; sys.path.insert(0, "tests"); import device; print("engine device:", device.description())' \
 	>>"$OUT/machine.txt" 2>/dev/null
 for t in $TESTS; do
 	name=$(basename "$t" .py)
