@@ -72,8 +72,8 @@ class LongRow:
     kv_bytes_allocated: int
 
 
-def _quiet(model: Path, **kw) -> dict:
-    return {"model_path": str(model), "verbose": False, **kw}
+def _quiet(model: Path, n_gpu_layers: int = 0, **kw) -> dict:
+    return {"model_path": str(model), "verbose": False, "n_gpu_layers": n_gpu_layers, **kw}
 
 
 def _timed_generate(llm: llama_cpp.Llama, prompt: list[int], n: int, live: Callable[[], int]):
@@ -124,6 +124,7 @@ def speed_at_budget(
     batch: int = BATCH,
     evict_every: int | None = None,
     observe_steps: int | None = 1,
+    n_gpu_layers: int = 0,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[SpeedRow]:
     """Prompt and decode tokens/s of plain llama-cpp-python and of each policy at ``budget`` live cells,
@@ -132,11 +133,12 @@ def speed_at_budget(
     models: dict[str, tuple[llama_cpp.Llama, list[int], Callable[[], int]]] = {}
     for label, swa_full in BASELINES.items():
         n_ctx = budget + evict_every + decode_tokens + batch
-        plain = llama_cpp.Llama(**_quiet(model, n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, swa_full=swa_full))
+        kw = dict(n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, swa_full=swa_full)
+        plain = llama_cpp.Llama(**_quiet(model, n_gpu_layers, **kw))
         models[label] = (plain, tokens[:plain_prompt], lambda plain=plain: plain.n_tokens)
     for name in policies:
         llm = Llama(
-            **_quiet(model, n_batch=batch, n_ubatch=batch),
+            **_quiet(model, n_gpu_layers, n_batch=batch, n_ubatch=batch),
             kv_budget=budget,
             kv_policy=name,
             kv_evict_every=evict_every,
@@ -166,6 +168,7 @@ def engine_speed_at_budget(
     batch: int = BATCH,
     evict_every: int | None = None,
     observe_steps: int | None = 1,
+    n_gpu_layers: int = 0,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[SpeedRow]:
     """The same comparison one layer down: ``llama_decode`` of the text's next tokens on an Engine with
@@ -176,7 +179,8 @@ def engine_speed_at_budget(
     from .session import SessionSpec
 
     evict_every, plain_prompt = _plan(tokens, budget, evict_every, decode_tokens)
-    cfg = EngineConfig(n_ctx=budget + evict_every + decode_tokens + batch, n_batch=batch, n_ubatch=batch)
+    n_ctx = budget + evict_every + decode_tokens + batch
+    cfg = EngineConfig(n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, n_gpu_layers=n_gpu_layers)
     engines = {label: Engine(model, replace(cfg, swa_full=swa_full)) for label, swa_full in BASELINES.items()}
     engines.update({name: Engine(model, cfg) for name in policies})
 
@@ -277,6 +281,7 @@ def long_run(
     decode_tokens: int = 16,
     evict_every: int | None = None,
     observe_steps: int | None = 1,
+    n_gpu_layers: int = 0,
     progress: Callable[[str, int, int], None] = lambda label, n, total: None,
 ) -> list[LongRow]:
     """The full cache and ``policy`` at ``budget`` read ``tokens`` to each checkpoint and decode there."""
@@ -286,7 +291,7 @@ def long_run(
     rows = []
     label = f"{policy}@{budget}"
     with Llama(
-        **_quiet(model, n_batch=64, n_ubatch=64),
+        **_quiet(model, n_gpu_layers, n_batch=64, n_ubatch=64),
         kv_budget=budget,
         kv_policy=policy,
         kv_evict_every=evict_every,
@@ -294,7 +299,7 @@ def long_run(
     ) as llm:
         seen = [0]
         rows += _long(label, llm, tokens, checkpoints, decode_tokens, _counter(progress, label, last, seen))
-    full = llama_cpp.Llama(**_quiet(model, n_ctx=last, n_batch=512))
+    full = llama_cpp.Llama(**_quiet(model, n_gpu_layers, n_ctx=last, n_batch=512))
     try:
         seen = [0]
         rows += _long("full", full, tokens, checkpoints, decode_tokens, _counter(progress, "full", last, seen))

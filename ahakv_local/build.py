@@ -68,12 +68,37 @@ class BuildPlan:
         return hashlib.sha256(" ".join(self.cmake_args).encode()).hexdigest()[:12]
 
 
-def plan(cuda: bool = False, metal: bool = False, cmake_args: str = "") -> BuildPlan:
+# what ggml-vulkan compiles with: (what it is, where it is found, the Debian package that installs it)
+VULKAN_REQUIREMENTS = (
+    ("vulkan.hpp", "include:vulkan/vulkan.hpp", "libvulkan-dev"),
+    ("glslc", "bin:glslc", "glslc"),
+    ("the SPIR-V headers", "include:spirv/unified1/spirv.hpp", "spirv-headers"),
+)
+INCLUDE_DIRS = ("/usr/include", "/usr/local/include")
+
+
+def missing_vulkan_packages() -> list[str]:
+    """The Debian packages whose files a Vulkan build needs and this machine lacks (empty: all there)."""
+    roots = [Path(d) for d in INCLUDE_DIRS]
+    if sdk := os.environ.get("VULKAN_SDK"):
+        roots.insert(0, Path(sdk) / "include")
+    missing = []
+    for _, where, package in VULKAN_REQUIREMENTS:
+        kind, name = where.split(":", 1)
+        found = shutil.which(name) if kind == "bin" else any((r / name).is_file() for r in roots)
+        if not found:
+            missing.append(package)
+    return missing
+
+
+def plan(cuda: bool = False, metal: bool = False, cmake_args: str = "", vulkan: bool = False) -> BuildPlan:
     args = list(BASE_CMAKE_ARGS)
     if cuda:
         args.append("-DGGML_CUDA=ON")
     if metal:
         args.append("-DGGML_METAL=ON")
+    if vulkan:
+        args.append("-DGGML_VULKAN=ON")
     args += shlex.split(os.environ.get("CMAKE_ARGS", "")) + shlex.split(cmake_args)
     patches = tuple(sorted(patch_dir().glob("*.patch")))
     if not patches:
@@ -230,9 +255,11 @@ def install(wheel: Path, bp: BuildPlan) -> None:
     (pkg / MARKER).write_text(json.dumps(marker, indent=1))
 
 
-def ensure_engine(cuda: bool = False, metal: bool = False, cmake_args: str = "", force: bool = False) -> str:
+def ensure_engine(
+    cuda: bool = False, metal: bool = False, cmake_args: str = "", force: bool = False, vulkan: bool = False
+) -> str:
     """Make the patched engine for these flags the installed one; return what was done."""
-    bp = plan(cuda, metal, cmake_args)
+    bp = plan(cuda, metal, cmake_args, vulkan)
     if not force and installed_key() == bp.key:
         return f"engine up to date (key {bp.key})"
 
@@ -242,6 +269,11 @@ def ensure_engine(cuda: bool = False, metal: bool = False, cmake_args: str = "",
         install(cached[-1], bp)
         return f"installed cached engine {cached[-1].name} (key {bp.key})"
 
+    if vulkan and (missing := missing_vulkan_packages()):
+        raise AhakvError(
+            "a Vulkan build needs vulkan.hpp, glslc and the SPIR-V headers; on Debian/Ubuntu: "
+            f"apt-get install {' '.join(missing)}"
+        )
     start = time.monotonic()
     sdist = fetch_sdist()
     work = cache_dir() / "work" / bp.flags_key

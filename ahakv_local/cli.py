@@ -42,13 +42,14 @@ def main() -> None:
 @main.command()
 @click.option("--cuda", is_flag=True, help="Build the CUDA backend (-DGGML_CUDA=ON).")
 @click.option("--metal", is_flag=True, help="Build the Metal backend (-DGGML_METAL=ON).")
+@click.option("--vulkan", is_flag=True, help="Build the Vulkan backend (-DGGML_VULKAN=ON).")
 @click.option("--cmake-args", default="", metavar="ARGS", help="Extra CMake arguments (also read from $CMAKE_ARGS).")
 @click.option("--force", is_flag=True, help="Rebuild even if a matching engine is installed or cached.")
-def build(cuda: bool, metal: bool, cmake_args: str, force: bool) -> None:
+def build(cuda: bool, metal: bool, vulkan: bool, cmake_args: str, force: bool) -> None:
     """Download llama-cpp-python 0.3.36, apply patches/, compile and install it."""
     from .build import ensure_engine
 
-    click.echo(ensure_engine(cuda=cuda, metal=metal, cmake_args=cmake_args, force=force))
+    click.echo(ensure_engine(cuda=cuda, metal=metal, vulkan=vulkan, cmake_args=cmake_args, force=force))
 
 
 @main.command("model-path")

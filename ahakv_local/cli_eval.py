@@ -309,6 +309,15 @@ def bench_group() -> None:
     default=None,
     help="Also state the KV memory each row allocates to read this many tokens (default: the trained context).",
 )
+@click.option(
+    "-ngl",
+    "--n-gpu-layers",
+    type=click.IntRange(min=-1),
+    default=0,
+    show_default=True,
+    envvar="AHAKV_N_GPU_LAYERS",
+    help="Layers to offload to the GPU (-1: all), in every run alike.",
+)
 @click.option("--out", "out_dir", default="bench-out", show_default=True, help="Folder for the outputs.")
 def bench_speed(
     model,
@@ -322,6 +331,7 @@ def bench_speed(
     long_context,
     long_policy,
     memory_context,
+    n_gpu_layers,
     out_dir,
 ) -> None:
     """Decode and prompt tokens/s: plain llama-cpp-python (swa_full, its default), plain llama.cpp with the
@@ -340,7 +350,13 @@ def bench_speed(
     evict_every, observe = parse_schedule(evict_every, observe_steps)
     if len(ids) < 2 * budget + decode_tokens:
         raise AhakvError(f"the text has {len(ids)} tokens; budget {budget} needs {2 * budget + decode_tokens}")
-    kw = dict(decode_tokens=decode_tokens, rounds=rounds, evict_every=evict_every, observe_steps=observe)
+    kw = dict(
+        decode_tokens=decode_tokens,
+        rounds=rounds,
+        evict_every=evict_every,
+        observe_steps=observe,
+        n_gpu_layers=n_gpu_layers,
+    )
     with _bar("bench speed (generate)", rounds * (len(names) + 1)) as bar:
         bar.unit = "run"
         app = speed_at_budget(path, ids, budget, names, progress=lambda _: bar.update(1), **kw)
@@ -370,6 +386,7 @@ def bench_speed(
             long_policy,
             evict_every=evict_every,
             observe_steps=observe,
+            n_gpu_layers=n_gpu_layers,
             progress=progress,
         )
         for bar in bars.values():

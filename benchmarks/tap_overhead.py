@@ -4,7 +4,9 @@ Configurations are interleaved round by round (so drift of the machine hits all 
 decodes the same tokens after a rewind to the same 2K context. Prints a Markdown table of median
 tokens/s and ratios to the untapped engine and writes benchmarks/out/tap_overhead.json.
 
-    python benchmarks/tap_overhead.py [--model PATH] [--context 2048] [--tokens 32] [--rounds 7]
+    python benchmarks/tap_overhead.py [--model PATH] [--context 2048] [--tokens 32] [--rounds 7] [-ngl N]
+
+-ngl offloads N layers (-1 or 999: all) to the engine's GPU backend (CUDA, Metal, Vulkan).
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "tap_overhead.json"))
     args = ap.parse_args()
 
     path = resolve_model(args.model, progress=True)
-    with Engine(path, EngineConfig(n_ctx=args.context + 512)) as e:
+    with Engine(path, EngineConfig(n_ctx=args.context + 512, n_gpu_layers=args.n_gpu_layers)) as e:
         tokens = e.tokenize(real_text())
         assert len(tokens) >= args.context + args.tokens, "not enough text"
         e.decode(tokens[: args.context])
@@ -81,6 +84,7 @@ def main() -> None:
         "context": args.context,
         "tokens_per_run": args.tokens,
         "rounds": args.rounds,
+        "n_gpu_layers": args.n_gpu_layers,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "date": time.strftime("%Y-%m-%d"),
         "rows": rows,
@@ -89,7 +93,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
 
-    print(f"# decode speed at {args.context} context, {path.name}, {args.rounds} interleaved rounds")
+    where = f", {args.n_gpu_layers} layers offloaded" if args.n_gpu_layers else ""
+    print(f"# decode speed at {args.context} context, {path.name}, {args.rounds} interleaved rounds{where}")
     print(f"command: `{command}`\n")
     print("| configuration | median tok/s | ratio to off | cost |")
     print("|---|---:|---:|---:|")

@@ -4,6 +4,26 @@ import pytest
 
 from ahakv_local.models import default_model_path, fixture_path
 
+import device
+
+
+def pytest_configure(config):
+    if device.DEVICE and device.DEVICE not in device.REGISTRY_NAMES:
+        raise pytest.UsageError(f"AHAKV_TEST_DEVICE={device.DEVICE}: not one of {', '.join(device.REGISTRY_NAMES)}")
+    config.addinivalue_line("markers", "device: its models run on AHAKV_TEST_DEVICE (tests/device.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """With AHAKV_TEST_DEVICE set and no such device in the engine, the device tests skip with the reason."""
+    if reason := device.device_missing():
+        for item in items:
+            if item.get_closest_marker("device"):
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_report_header(config):
+    return f"engine tests on: {device.description()}" if device.DEVICE else None
+
 
 @pytest.fixture(scope="session")
 def fixture_model():

@@ -41,6 +41,7 @@ def test_bench_speed_command_writes_every_output(fixture_model, tmp_path):
         else:
             assert r["kv_cells_used"] <= 64 + 4 and r["kv_bytes_allocated"] < long[-1]["kv_bytes_allocated"]
     assert data["config"]["evict_every"] == 4 and data["config"]["model_sha256"]
+    assert data["config"]["n_gpu_layers"] == 0  # -ngl: the layers every run offloads, recorded
     assert (out / "results.csv").read_text().count("\n") == 1 + 8 + 4
     assert (out / "long_run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "## long run" in (out / "results.md").read_text()

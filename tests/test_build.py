@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 
 from ahakv_local import build, native
@@ -42,8 +47,9 @@ def test_a_patch_that_does_not_apply_names_itself_and_the_hunk(sdist, tmp_path):
 
 def test_cache_key_follows_flags_and_patches(tmp_path, monkeypatch):
     monkeypatch.delenv("CMAKE_ARGS", raising=False)
-    cpu, cuda = build.plan(), build.plan(cuda=True)
+    cpu, cuda, vulkan = build.plan(), build.plan(cuda=True), build.plan(vulkan=True)
     assert cpu.key != cuda.key and "-DGGML_CUDA=ON" in cuda.cmake_args
+    assert len({cpu.key, cuda.key, vulkan.key}) == 3 and "-DGGML_VULKAN=ON" in vulkan.cmake_args
     assert build.plan(cmake_args="-DGGML_NATIVE=OFF").key != cpu.key
     assert build.plan().key == cpu.key  # deterministic
     copy = tmp_path / "patches"
@@ -57,3 +63,34 @@ def test_cache_key_follows_flags_and_patches(tmp_path, monkeypatch):
 
 def test_installed_engine_carries_its_key():
     assert build.installed_key() == build.plan().key
+
+
+def test_a_vulkan_build_names_the_debian_packages_it_lacks_before_compiling(tmp_path, monkeypatch):
+    monkeypatch.delenv("VULKAN_SDK", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.setattr(build, "INCLUDE_DIRS", (str(tmp_path / "include"),))
+    monkeypatch.setattr(build, "fetch_sdist", lambda: pytest.fail("the build went on without its packages"))
+    with pytest.raises(AhakvError, match=r"apt-get install libvulkan-dev glslc spirv-headers$"):
+        build.ensure_engine(vulkan=True, force=True)
+    # each file found takes its package off the list
+    (tmp_path / "include/vulkan").mkdir(parents=True)
+    (tmp_path / "include/vulkan/vulkan.hpp").write_text("")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin/glslc").write_text("#!/bin/sh\n")
+    (tmp_path / "bin/glslc").chmod(0o755)
+    assert build.missing_vulkan_packages() == ["spirv-headers"]
+    (tmp_path / "include/spirv/unified1").mkdir(parents=True)
+    (tmp_path / "include/spirv/unified1/spirv.hpp").write_text("")
+    assert build.missing_vulkan_packages() == []
+
+
+def test_build_vulkan_without_its_packages_is_a_one_line_error(tmp_path):
+    # no glslc on an empty PATH: refused before anything is downloaded or compiled
+    env = {**os.environ, "PATH": str(tmp_path)}
+    env.pop("VULKAN_SDK", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ahakv_local", "build", "--vulkan", "--force"], capture_output=True, text=True, env=env
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert re.fullmatch(r"error: a Vulkan build needs .*: apt-get install( \S+)* glslc( \S+)*", lines[0]), lines[0]

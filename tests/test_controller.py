@@ -14,14 +14,16 @@ from ahakv_local.errors import AhakvError
 from ahakv_local.native import TapFlag
 from ahakv_local.policies import POLICIES, make_policy
 
+import device
 from numerics import sum_rtol
 
 EVICTING = sorted(set(POLICIES) - {"full"})
 CHUNK = 16
+pytestmark = pytest.mark.device
 
 
 def engine_for(path) -> Engine:
-    return Engine(path, EngineConfig(n_ctx=512, n_batch=64, n_ubatch=CHUNK))
+    return Engine(path, EngineConfig(n_ctx=512, n_batch=64, n_ubatch=CHUNK, n_gpu_layers=device.N_GPU_LAYERS))
 
 
 @settings(max_examples=30, deadline=None)
@@ -80,7 +82,8 @@ def test_controller_invariants(
 
 def test_long_prompt_never_needs_more_than_budget_plus_a_chunk(fixture_model, license_text):
     budget = 48
-    with Engine(fixture_model, EngineConfig(n_ctx=budget + CHUNK + 1, n_batch=64, n_ubatch=CHUNK)) as e:
+    config = EngineConfig(n_ctx=budget + CHUNK + 1, n_batch=64, n_ubatch=CHUNK, n_gpu_layers=device.N_GPU_LAYERS)
+    with Engine(fixture_model, config) as e:
         # n_ctx is padded to 256 by llama.cpp; the engine must still never hold more than budget + chunk
         tokens = e.tokenize(license_text)[:400]
         c = KVController(e, make_policy("h2o"), ControllerConfig(Budget.parse(budget), n_recent=8))

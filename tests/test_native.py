@@ -15,6 +15,10 @@ from ahakv_local import native
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.errors import EngineNotPatched
 
+import device
+
+pytestmark = pytest.mark.device
+
 
 @pytest.fixture
 def fresh_binding(monkeypatch):
@@ -55,7 +59,7 @@ def test_the_patched_engine_is_accepted():
 
 def test_native_evict_error_codes(fixture_model):
     lib = native.lib()
-    with Engine(fixture_model, EngineConfig(n_ctx=256)) as e:
+    with Engine(fixture_model, EngineConfig(n_ctx=256, n_gpu_layers=device.N_GPU_LAYERS)) as e:
         e.decode(list(range(3, 40)))
 
         def evict(positions, seq=0):

@@ -11,10 +11,13 @@ from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.native import TapFlag
 from ahakv_local.policies import POLICIES, make_policy
 
+import device
 from capture import Capture
 from numerics import F32, distance_rounding, output_rounding
 
 PROMPT = 200
+GPU = device.N_GPU_LAYERS  # every layer on AHAKV_TEST_DEVICE (tests/device.py), none otherwise
+pytestmark = pytest.mark.device
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,7 @@ def test_error_model_matches_a_real_decode_without_the_token(gemma_model, tokens
     decodes carry the F16 rounding of their softmax weights, so the comparison is exact up to twice
     that bound plus the prediction's own rounding; at least 8 heads must be checked to within 5%."""
     cap = Capture(("kqv-",))
-    with Engine(gemma_model, EngineConfig(n_ctx=512, n_ubatch=128), cb_eval=cap.callback) as e:
+    with Engine(gemma_model, EngineConfig(n_ctx=512, n_ubatch=128, n_gpu_layers=GPU), cb_eval=cap.callback) as e:
         e.set_tap(TapFlag.ATTN | TapFlag.VERR, 1)
         e.decode(tokens[:PROMPT])
         e.reset_stats()
@@ -83,7 +86,7 @@ def test_error_model_matches_leave_one_out_on_every_layer(gemma_model, tokens):
     prediction uses the model's o (F16-rounded weights) and an F32 distance: it must agree within
     those two bounds, for every head and sampled token."""
     cap = Capture(("kq_soft_max-", "kqv-", "Vcur-"), ops={"Vcur-": ("RESHAPE",)})
-    with Engine(gemma_model, EngineConfig(n_ctx=512, n_ubatch=256), cb_eval=cap.callback) as e:
+    with Engine(gemma_model, EngineConfig(n_ctx=512, n_ubatch=256, n_gpu_layers=GPU), cb_eval=cap.callback) as e:
         e.set_tap(TapFlag.ATTN | TapFlag.VERR, 1)
         e.decode(tokens[:PROMPT])
         e.reset_stats()
@@ -119,7 +122,8 @@ def test_error_model_matches_leave_one_out_on_every_layer(gemma_model, tokens):
 def test_every_policy_end_to_end(gemma_model, tokens, name):
     """>= 1000 tokens of real text at budget 128: finite perplexity, the budget held at every step."""
     budget, n_tokens, prompt = 128, 1024, 256
-    with Engine(gemma_model, EngineConfig(n_ctx=1280 if name == "full" else 512, n_batch=64, n_ubatch=64)) as e:
+    config = EngineConfig(n_ctx=1280 if name == "full" else 512, n_batch=64, n_ubatch=64, n_gpu_layers=GPU)
+    with Engine(gemma_model, config) as e:
         c = KVController(e, make_policy(name), ControllerConfig(Budget.parse(budget)))
         toks = tokens[:n_tokens]
         nll = []
