@@ -36,6 +36,7 @@ SDIST_FILE = f"{SDIST_NAME}-{SDIST_VERSION}.tar.gz"
 # the product loads libllama + libggml only: skip the multimodal and common libraries
 BASE_CMAKE_ARGS = ("-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_COMMON=OFF")
 MARKER = "ahakv_build.json"  # written next to the installed llama_cpp package
+RPC_SERVER = "ggml-rpc-server"  # llama.cpp's RPC worker, installed into llama_cpp/lib by `build --rpc` (patch 0008)
 
 
 @dataclass(frozen=True)
@@ -68,12 +69,14 @@ class BuildPlan:
         return hashlib.sha256(" ".join(self.cmake_args).encode()).hexdigest()[:12]
 
 
-def plan(cuda: bool = False, metal: bool = False, cmake_args: str = "") -> BuildPlan:
+def plan(cuda: bool = False, metal: bool = False, cmake_args: str = "", rpc: bool = False) -> BuildPlan:
     args = list(BASE_CMAKE_ARGS)
     if cuda:
         args.append("-DGGML_CUDA=ON")
     if metal:
         args.append("-DGGML_METAL=ON")
+    if rpc:  # the RPC backend in libggml, and its worker built from the same patched tree
+        args.append("-DGGML_RPC=ON")
     args += shlex.split(os.environ.get("CMAKE_ARGS", "")) + shlex.split(cmake_args)
     patches = tuple(sorted(patch_dir().glob("*.patch")))
     if not patches:
@@ -230,11 +233,17 @@ def install(wheel: Path, bp: BuildPlan) -> None:
     (pkg / MARKER).write_text(json.dumps(marker, indent=1))
 
 
-def ensure_engine(cuda: bool = False, metal: bool = False, cmake_args: str = "", force: bool = False) -> str:
-    """Make the patched engine for these flags the installed one; return what was done."""
-    bp = plan(cuda, metal, cmake_args)
-    if not force and installed_key() == bp.key:
+def ensure_engine(
+    cuda: bool = False, metal: bool = False, cmake_args: str = "", force: bool = False, rpc: bool = False
+) -> str:
+    """Make the patched engine for these flags the installed one; return what was done. An installed RPC
+    engine of the same flags serves a build without --rpc too (it is a superset) and is kept."""
+    bp = plan(cuda, metal, cmake_args, rpc)
+    installed = installed_key()
+    if not force and installed == bp.key:
         return f"engine up to date (key {bp.key})"
+    if not force and not rpc and installed == plan(cuda, metal, cmake_args, rpc=True).key:
+        return f"engine up to date (key {installed}, with RPC)"
 
     wheel_dir = cache_dir() / "wheels" / bp.key
     cached = sorted(wheel_dir.glob("*.whl"))
