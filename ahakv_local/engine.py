@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import upstream
+from . import rpc, upstream
 from .budget import CacheLayout
 from .errors import AhakvError
 from .info import check_architecture
@@ -46,6 +46,11 @@ class EngineConfig:
     # sizes; 0 in either keeps llama.cpp's rule for that cache. No padding: any size >= n_ubatch is honoured
     # (a sliding-window cache below its window + n_ubatch needs evictions from it to keep decoding)
     cache_cells: tuple[int, int] | None = None
+    # llama.cpp RPC workers ("host:port") holding the model's layers (all of them unless n_gpu_layers says)
+    rpc_servers: tuple[str, ...] = ()
+    # the CPU's repacked weight layouts (llama.cpp's default); their kernels round differently from the plain
+    # ones an RPC worker runs, so a local run compared with a worker's turns this off
+    repack_weights: bool = True
     verbose: bool = False
 
 
@@ -101,6 +106,9 @@ class Engine:
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = config.n_gpu_layers
+        # the device array lives as long as the engine
+        self._rpc = rpc.Devices(rpc.parse_servers(config.rpc_servers)) if config.rpc_servers else None
+        rpc.configure(mparams, self._rpc, config.repack_weights)
         try:
             self._model = upstream.load_model(str(path), mparams, config.verbose)
         except ValueError as exc:
@@ -178,6 +186,8 @@ class Engine:
             type_k=types.get(p.type_k, str(p.type_k)),
             type_v=types.get(p.type_v, str(p.type_v)),
             swa_full=bool(p.swa_full),
+            rpc_servers=getattr(llm, "rpc_servers", ()),
+            repack_weights=bool(llm.model_params.use_extra_bufts),
             verbose=llm.verbose,
         )
         self._model, self._ctx, self._batch = upstream.handles(llm)
