@@ -17,6 +17,7 @@ import os
 import socket
 import struct
 import sys
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def check_worker(endpoint: str, timeout: float = 5.0) -> None:
             sock.sendall(struct.pack("<BQ", _HELLO, _CAPS) + bytes(_CAPS))
             reply = _recv(sock, 8 + 4 + _CAPS)
     except OSError as exc:
-        why = exc.strerror or exc.__class__.__name__
+        why = exc.strerror or str(exc) or type(exc).__name__
         raise AhakvError(
             f"cannot reach the RPC worker {endpoint} ({why}): start one there with "
             f"`ahakv-local rpc-server --host HOST --port {port}`"
@@ -97,6 +98,13 @@ class Devices:
     def __init__(self, endpoints: Sequence[str]):
         from . import upstream
 
+        self.endpoints = tuple(endpoints)
+        # every address before llama.cpp sees one (it aborts on a bad one); not those a live model of this
+        # process is connected to: a worker serves one connection at a time, so a probe would wait there
+        busy = {ep for devices in _IN_USE for ep in devices.endpoints}
+        for ep in self.endpoints:
+            if ep not in busy:
+                check_worker(ep)
         ggml = upstream.ggml_cdll()
         for name, (argtypes, restype) in _GGML.items():
             fn = getattr(ggml, name)
@@ -106,15 +114,14 @@ class Devices:
         if not add:
             raise AhakvError(BUILD_HINT)
         add_server = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(add)
-        self.endpoints = tuple(endpoints)
         devices: list[int] = []
         for ep in self.endpoints:
-            check_worker(ep)
             reg = add_server(ep.encode())
             if not reg:
                 raise AhakvError(f"the RPC worker {ep} offers no device")
             devices += [ggml.ggml_backend_reg_dev_get(reg, i) for i in range(ggml.ggml_backend_reg_dev_count(reg))]
         self.array = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+        _IN_USE.add(self)
 
     @property
     def pointer(self) -> int:
@@ -129,6 +136,9 @@ def configure(params, devices: Devices | None, repack_weights: bool) -> None:
         params.devices = devices.pointer
         if params.n_gpu_layers == 0:
             params.n_gpu_layers = -1  # llama.cpp: a negative count is every layer
+
+
+_IN_USE: weakref.WeakSet[Devices] = weakref.WeakSet()  # the devices of models this process holds
 
 
 def server_binary() -> Path:
