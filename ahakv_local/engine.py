@@ -227,6 +227,7 @@ class Engine:
             if obj is not None:
                 obj.close()
                 setattr(self, owner, None)
+        self._rpc = None  # the workers' connections closed with the model: a new model checks them again
 
     def detach(self, stand_in) -> None:
         """An attached engine whose owner freed the model and context: ``stand_in`` answers every later call."""

@@ -383,6 +383,7 @@ class Llama(llama_cpp.Llama):
         if not upstream.is_initialized(self):
             return  # __init__ refused its arguments before upstream allocated anything
         super().close()
+        self._rpc_devices = None  # the workers' connections closed with the model
         # every later call goes through these: raise a ValueError rather than hand freed pointers to C
         upstream.replace_handles(self, CLOSED)
         engine = getattr(self, "_kv_engine", None)

@@ -151,6 +151,20 @@ def test_llama_dropin_takes_rpc_servers(workers, fixture_model):
     assert complete(rpc_servers=workers) == complete()
 
 
+def test_two_models_of_one_process_share_the_workers(workers, fixture_model, license_text):
+    """A worker serves one connection at a time: a second model must not probe a worker the first one holds
+    (the probe would wait there until it timed out), and both decode on it; once both are closed, a new model
+    checks the workers again and connects anew."""
+    servers = tuple(workers.split(","))
+    with Engine(fixture_model, config(rpc_servers=servers)) as a:
+        tokens = a.tokenize(license_text)[:20]
+        first = a.decode(tokens)
+        with Engine(fixture_model, config(rpc_servers=servers)) as b:
+            assert np.array_equal(b.decode(tokens), first)
+    with Engine(fixture_model, config(rpc_servers=servers)) as c:
+        assert np.array_equal(c.decode(tokens), first)
+
+
 def test_gemma_ahakv_budget_128_greedy_equals_local_without_repacking(workers, gemma_model, license_text):
     spec = SessionSpec.bounded("ahakv", 128)
 
