@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ahakv_local import build, rpc
+from ahakv_local import build, rpc, upstream
 from ahakv_local.cli import main
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.errors import AhakvError
@@ -224,6 +224,16 @@ def test_rpc_server_without_an_rpc_engine(monkeypatch, tmp_path):
     one_line(CliRunner().invoke(main, ["rpc-server", "--port", str(free_port())]), "ahakv-local build --rpc")
     monkeypatch.setattr(build, "installed_package", lambda: None)  # no engine at all
     one_line(CliRunner().invoke(main, ["rpc-server"]), "ahakv-local build --rpc")
+
+
+def test_a_client_engine_without_the_rpc_backend(workers, fixture_model, monkeypatch):
+    class NoRpcBackend:  # a libggml built without GGML_RPC: the registry has no "RPC"
+        def __getattr__(self, name):
+            return lambda *args: None
+
+    monkeypatch.setattr(upstream, "ggml_cdll", NoRpcBackend)
+    with pytest.raises(AhakvError, match=r"no RPC backend: run `ahakv-local build --rpc`"):
+        Engine(fixture_model, config(rpc_servers=tuple(workers.split(","))))
 
 
 def test_rpc_server_on_a_port_in_use(workers):
