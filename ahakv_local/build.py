@@ -36,7 +36,6 @@ SDIST_FILE = f"{SDIST_NAME}-{SDIST_VERSION}.tar.gz"
 # the product loads libllama + libggml only: skip the multimodal and common libraries
 BASE_CMAKE_ARGS = ("-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_COMMON=OFF")
 MARKER = "ahakv_build.json"  # written next to the installed llama_cpp package
-RPC_SERVER = "ggml-rpc-server"  # llama.cpp's RPC worker, installed into llama_cpp/lib by `build --rpc` (patch 0008)
 
 
 @dataclass(frozen=True)
