@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 setup: $(STAMP)
-	$(VENV)/bin/ahakv-local build
+	$(VENV)/bin/ahakv-local build --rpc   # RPC is a superset: the tests of the workers run too
 
 demo: setup
 	$(VENV)/bin/ahakv-local generate -f /usr/share/common-licenses/GPL-3 -n 128 --budget 256 --stats

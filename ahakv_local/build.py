@@ -91,7 +91,9 @@ def missing_vulkan_packages() -> list[str]:
     return missing
 
 
-def plan(cuda: bool = False, metal: bool = False, cmake_args: str = "", vulkan: bool = False) -> BuildPlan:
+def plan(
+    cuda: bool = False, metal: bool = False, cmake_args: str = "", vulkan: bool = False, rpc: bool = False
+) -> BuildPlan:
     args = list(BASE_CMAKE_ARGS)
     if cuda:
         args.append("-DGGML_CUDA=ON")
@@ -99,6 +101,8 @@ def plan(cuda: bool = False, metal: bool = False, cmake_args: str = "", vulkan: 
         args.append("-DGGML_METAL=ON")
     if vulkan:
         args.append("-DGGML_VULKAN=ON")
+    if rpc:  # the RPC backend in libggml, and its worker built from the same patched tree
+        args.append("-DGGML_RPC=ON")
     args += shlex.split(os.environ.get("CMAKE_ARGS", "")) + shlex.split(cmake_args)
     patches = tuple(sorted(patch_dir().glob("*.patch")))
     if not patches:
@@ -256,12 +260,21 @@ def install(wheel: Path, bp: BuildPlan) -> None:
 
 
 def ensure_engine(
-    cuda: bool = False, metal: bool = False, cmake_args: str = "", force: bool = False, vulkan: bool = False
+    cuda: bool = False,
+    metal: bool = False,
+    cmake_args: str = "",
+    force: bool = False,
+    vulkan: bool = False,
+    rpc: bool = False,
 ) -> str:
-    """Make the patched engine for these flags the installed one; return what was done."""
-    bp = plan(cuda, metal, cmake_args, vulkan)
-    if not force and installed_key() == bp.key:
+    """Make the patched engine for these flags the installed one; return what was done. An installed RPC
+    engine of the same flags serves a build without --rpc too (it is a superset) and is kept."""
+    bp = plan(cuda, metal, cmake_args, vulkan=vulkan, rpc=rpc)
+    installed = installed_key()
+    if not force and installed == bp.key:
         return f"engine up to date (key {bp.key})"
+    if not force and not rpc and installed == plan(cuda, metal, cmake_args, vulkan=vulkan, rpc=True).key:
+        return f"engine up to date (key {installed}, with RPC)"
 
     wheel_dir = cache_dir() / "wheels" / bp.key
     cached = sorted(wheel_dir.glob("*.whl"))

@@ -13,6 +13,7 @@ import click
 from . import __version__
 from .errors import AhakvError
 from .extras import require
+from .rpc import OPTION_HELP as RPC_HELP
 
 
 class Group(click.Group):
@@ -44,12 +45,26 @@ def main() -> None:
 @click.option("--metal", is_flag=True, help="Build the Metal backend (-DGGML_METAL=ON).")
 @click.option("--vulkan", is_flag=True, help="Build the Vulkan backend (-DGGML_VULKAN=ON).")
 @click.option("--cmake-args", default="", metavar="ARGS", help="Extra CMake arguments (also read from $CMAKE_ARGS).")
+@click.option("--rpc", is_flag=True, help="Add llama.cpp's RPC backend and its worker (-DGGML_RPC=ON; see rpc-server).")
 @click.option("--force", is_flag=True, help="Rebuild even if a matching engine is installed or cached.")
-def build(cuda: bool, metal: bool, vulkan: bool, cmake_args: str, force: bool) -> None:
+def build(cuda: bool, metal: bool, vulkan: bool, cmake_args: str, rpc: bool, force: bool) -> None:
     """Download llama-cpp-python 0.3.36, apply patches/, compile and install it."""
     from .build import ensure_engine
 
-    click.echo(ensure_engine(cuda=cuda, metal=metal, vulkan=vulkan, cmake_args=cmake_args, force=force))
+    click.echo(ensure_engine(cuda=cuda, metal=metal, vulkan=vulkan, cmake_args=cmake_args, force=force, rpc=rpc))
+
+
+@main.command("rpc-server")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (trusted networks only).")
+@click.option("--port", type=click.IntRange(1, 65535), default=50052, show_default=True)
+@click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: cores / 2).")
+def rpc_server(host: str, port: int, threads: int | None) -> None:
+    """Run a llama.cpp RPC worker from this engine's build (`build --rpc`) for `--rpc HOST:PORT` clients.
+
+    The protocol is unauthenticated and unencrypted: anyone who reaches the port can use the worker."""
+    from .rpc import serve
+
+    serve(host, port, threads)
 
 
 @main.command("model-path")
@@ -131,6 +146,13 @@ def engine_options(f):
             help="Layers to offload to the GPU.",
         ),
         click.option(
+            "--rpc",
+            default=None,
+            metavar="HOST:PORT,...",
+            envvar="AHAKV_RPC",
+            help=RPC_HELP,
+        ),
+        click.option(
             "--batch-size",
             type=Positive,
             default=None,
@@ -183,7 +205,7 @@ def utf8(data: bytes, where: str) -> str:
 
 def load_llama(
     model, ctx_size, budget, policy, sinks, recent, error_tol, evict_every, observe_steps, threads, n_gpu_layers,
-    batch_size, reading="query", layer_budgets="shared", **extra,
+    batch_size, reading="query", layer_budgets="shared", rpc=None, **extra,
 ):  # fmt: skip
     """Resolve, check and load a model as an ahakv_local.Llama; every user mistake is an AhakvError."""
     from .budget import Budget, parse_schedule
@@ -196,6 +218,10 @@ def load_llama(
     if budget is not None:
         Budget.parse(budget)  # a clear error for a malformed budget; the controller checks its size
     evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
+    if rpc is not None:
+        from .rpc import parse_servers
+
+        rpc = parse_servers(rpc)  # a malformed address, before the model is read; reachability when it loads
     path = resolve_model(model, progress=True)
     read_info(path)  # a clear error for an unsupported architecture before llama.cpp tries
     from .native import lib
@@ -223,6 +249,7 @@ def load_llama(
             kv_observe_steps=observe_steps,
             kv_query={"query": True, "plain": False}.get(reading, reading),
             kv_layer_budgets=layer_budgets,
+            rpc_servers=rpc,
             **extra,
         )
     except ValueError as exc:

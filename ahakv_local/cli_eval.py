@@ -16,6 +16,18 @@ from .extras import require
 LICENSES = Path("/usr/share/common-licenses")
 
 
+def _rpc_option(f):
+    from .rpc import OPTION_HELP
+
+    return click.option("--rpc", default=None, metavar="HOST:PORT,...", envvar="AHAKV_RPC", help=OPTION_HELP)(f)
+
+
+def _rpc(rpc: str | None) -> tuple[str, ...]:
+    from .rpc import parse_servers
+
+    return parse_servers(rpc) if rpc is not None else ()
+
+
 def _bar(desc: str, total: int):
     from tqdm import tqdm
 
@@ -106,9 +118,10 @@ def eval_group() -> None:
 @click.option("--sinks", default=4, show_default=True)
 @click.option("--recent", default=32, show_default=True)
 @click.option("--out", "out_dir", default="eval-out", show_default=True, help="Folder for the outputs.")
+@_rpc_option
 def eval_ppl(
     model, text_file, tokens, prefix, budgets, policies, ablations, ablations_at, step, evict_every, observe_steps,
-    sinks, recent, out_dir,
+    sinks, recent, out_dir, rpc,
 ) -> None:  # fmt: skip
     """Streaming perplexity, KL from the full cache and top-1 agreement per policy and budget; for a model with a
     sliding-window cache also llama.cpp's own baseline, every position kept in a trimmed sliding cache."""
@@ -117,6 +130,7 @@ def eval_ppl(
     from .policies.ahakv import ABLATIONS
     from .report import write_ppl_report
 
+    rpc_servers = _rpc(rpc)
     path = _model(model)
     ids = _tokens(path, _read(text_file))[:tokens]
     if len(ids) <= prefix + 1:
@@ -146,6 +160,7 @@ def eval_ppl(
             prefix=prefix,
             step=step,
             progress=lambda done, total: bar.update(done - bar.n),
+            rpc_servers=rpc_servers,
         )
     for line in write_ppl_report(Path(out_dir), results, path, text_file, len(ids), step):
         click.echo(line)
@@ -163,11 +178,15 @@ def eval_ppl(
 @click.option("--sinks", default=4, show_default=True)
 @click.option("--recent", default=32, show_default=True)
 @click.option("--out", "out_dir", default="needle-out", show_default=True, help="Folder for the outputs.")
-def eval_needle(model, filler_file, lengths, depths, budgets, policies, trials, seed, sinks, recent, out_dir) -> None:
+@_rpc_option
+def eval_needle(
+    model, filler_file, lengths, depths, budgets, policies, trials, seed, sinks, recent, out_dir, rpc
+) -> None:
     """Passkey retrieval: a number hidden in filler text at several lengths and depths, per policy."""
     from .needle import run_needle
     from .report import write_needle_report
 
+    rpc_servers = _rpc(rpc)
     path = _model(model)
     filler = _read(filler_file)
     lens, deps = _lengths_and_depths(lengths, depths)
@@ -191,6 +210,7 @@ def eval_needle(model, filler_file, lengths, depths, budgets, policies, trials, 
                 trials=trials,
                 seed=seed,
                 progress=lambda done, total: bar.update(done - bar.n),
+                rpc_servers=rpc_servers,
             )
         except ValueError as exc:
             raise AhakvError(str(exc)) from None
@@ -219,14 +239,17 @@ def eval_needle(model, filler_file, lengths, depths, budgets, policies, trials, 
 @click.option("--sinks", default=4, show_default=True)
 @click.option("--recent", default=32, show_default=True)
 @click.option("--out", "out_dir", default="longdoc-out", show_default=True, help="Folder for the outputs.")
+@_rpc_option
 def eval_longdoc(
-    model, tasks, lengths, depths, compressions, policies, reading, trials, seed, filler_files, sinks, recent, out_dir
-) -> None:
+    model, tasks, lengths, depths, compressions, policies, reading, trials, seed, filler_files, sinks, recent, out_dir,
+    rpc,
+) -> None:  # fmt: skip
     """Long documents (RULER-style, generated locally): retrieval, multi-key, multi-value, variable tracking
     and a fact, per policy, compression and reading mode, beside the full cache."""
     from .longdoc import ANSWER_TOKENS, TASKS, default_filler_files, parse_compressions, run_longdoc, specs_rule
     from .report import write_longdoc_report
 
+    rpc_servers = _rpc(rpc)
     task_list = [t.strip() for t in tasks.split(",") if t.strip()]
     unknown = [t for t in task_list if t not in TASKS]
     if unknown or not task_list:
@@ -271,6 +294,7 @@ def eval_longdoc(
                 seed=seed,
                 filler_texts=texts,
                 progress=lambda done, total: bar.update(done - bar.n),
+                rpc_servers=rpc_servers,
             )
         except ValueError as exc:
             raise AhakvError(str(exc)) from None

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import upstream
+from . import rpc, upstream
 from .budget import CacheLayout
 from .errors import AhakvError
 from .info import KV_TYPES, check_kv_types, read_info
@@ -67,6 +67,11 @@ class EngineConfig:
     # (a sliding-window cache below its window + n_ubatch needs evictions from it to keep decoding)
     cache_cells: tuple[int, int] | None = None
     n_seq: int = 1  # sequences sharing the context (views); more than one uses one unified KV stream
+    # llama.cpp RPC workers ("host:port") holding the model's layers (all of them unless n_gpu_layers says)
+    rpc_servers: tuple[str, ...] = ()
+    # the CPU's repacked weight layouts (llama.cpp's default); their kernels round differently from the plain
+    # ones an RPC worker runs, so a local run compared with a worker's turns this off
+    repack_weights: bool = True
     verbose: bool = False
 
 
@@ -123,6 +128,9 @@ class Engine:
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = config.n_gpu_layers
+        # the device array lives as long as the engine
+        self._rpc = rpc.Devices(rpc.parse_servers(config.rpc_servers)) if config.rpc_servers else None
+        rpc.configure(mparams, self._rpc, config.repack_weights)
         try:
             self._model = upstream.load_model(str(path), mparams, config.verbose)
         except ValueError as exc:
@@ -205,6 +213,8 @@ class Engine:
             type_k=types.get(p.type_k, str(p.type_k)),
             type_v=types.get(p.type_v, str(p.type_v)),
             swa_full=bool(p.swa_full),
+            rpc_servers=getattr(llm, "rpc_servers", ()),
+            repack_weights=bool(llm.model_params.use_extra_bufts),
             verbose=llm.verbose,
         )
         self._model, self._ctx, self._batch = upstream.handles(llm)
@@ -255,6 +265,7 @@ class Engine:
             if obj is not None:
                 obj.close()
                 setattr(self, owner, None)
+        self._rpc = None  # the workers' connections closed with the model: a new model checks them again
 
     def detach(self, stand_in) -> None:
         """An attached engine whose owner freed the model and context: ``stand_in`` answers every later call."""

@@ -30,7 +30,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from . import native, upstream
+from . import native, rpc, upstream
 from .budget import QUERY_TOKENS, Budget, cells_for
 from .controller import ControllerStats, KVController
 from .engine import Engine, kv_type_params
@@ -134,11 +134,17 @@ class Llama(llama_cpp.Llama):
         kv_query: bool | str = True,
         kv_layer_budgets: str = "shared",
         kv_type: str | None = None,
+        rpc_servers: str | Sequence[str] | None = None,
+        repack_weights: bool = True,
         n_ctx: int = 512,
         n_batch: int = 512,
         **kwargs,
     ):
         self._kv: KVController | None = None
+        # llama.cpp RPC workers for the layers (checked now: llama.cpp would abort on one it cannot reach)
+        self.rpc_servers = rpc.parse_servers(rpc_servers) if rpc_servers else ()
+        self._rpc_devices = rpc.Devices(self.rpc_servers) if self.rpc_servers else None
+        self._repack_weights = repack_weights
         # checked before every decode call (each prompt chunk, each token): a server stops a generation whose
         # client left, or the process's, without reaching into llama-cpp-python's generation loop
         self.should_stop: Callable[[], bool] = lambda: False
@@ -153,7 +159,7 @@ class Llama(llama_cpp.Llama):
             check_kv_types(read_info(Path(model_path)), kv_type, kv_type)
         if kv_budget is None:
             check_cells(model_path, n_ctx, None)
-            super().__init__(model_path, n_ctx=n_ctx, n_batch=n_batch, **kwargs)
+            self._load(model_path, n_ctx=n_ctx, n_batch=n_batch, **kwargs)
             self._kv_engine = Engine.attach(self)
             upstream.set_position_bound(self, self._n_ctx)  # llama.cpp padded the context: hold all of it
             return
@@ -188,7 +194,7 @@ class Llama(llama_cpp.Llama):
             native.lib().set_next_cache_cells(*sizes)  # consumed by the context llama_cpp.Llama creates next
         check_cells(model_path, cells, budget)
         try:
-            super().__init__(model_path, n_ctx=cells, n_batch=n_batch, **kwargs)
+            self._load(model_path, n_ctx=cells, n_batch=n_batch, **kwargs)
         finally:
             native.lib().set_next_cache_cells(0, 0)
 
@@ -198,6 +204,11 @@ class Llama(llama_cpp.Llama):
         self._kv_reuse_compressed = kv_reuse_compressed
         # positions, not cells, bound a sequence now: the trained context
         upstream.set_position_bound(self, engine.n_ctx_train)
+
+    def _load(self, model_path: str, **kwargs) -> None:
+        """llama_cpp.Llama's constructor, with the model on the RPC workers and the repacking asked for."""
+        with upstream.model_params_hook(lambda p: rpc.configure(p, self._rpc_devices, self._repack_weights)):
+            super().__init__(model_path, **kwargs)
 
     # -- what changes with a budget ---------------------------------------------------------------
 
@@ -377,6 +388,7 @@ class Llama(llama_cpp.Llama):
         if not upstream.is_initialized(self):
             return  # __init__ refused its arguments before upstream allocated anything
         super().close()
+        self._rpc_devices = None  # the workers' connections closed with the model
         # every later call goes through these: raise a ValueError rather than hand freed pointers to C
         upstream.replace_handles(self, CLOSED)
         engine = getattr(self, "_kv_engine", None)

@@ -305,10 +305,12 @@ def run_longdoc(
     answer_tokens: int | None = None,
     filler_texts: Sequence[str] | None = None,
     progress: Callable[[int, int], None] = lambda done, total: None,
+    rpc_servers: tuple[str, ...] = (),
 ) -> list[LongdocTrial]:
     """Every spec of each length on every task x depth x trial at that length (the full cache is
     ``SessionSpec()``; ``specs`` maps a length to its specs, or is a rule such as ``specs_rule``). One engine
-    per spec and length; every item starts from an empty cache. ``answer_tokens``: None = per task."""
+    per spec and length; every item starts from an empty cache. ``answer_tokens``: None = per task.
+    ``rpc_servers``: llama.cpp RPC workers that hold the layers."""
     for task in tasks:
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
@@ -321,7 +323,7 @@ def run_longdoc(
     for length in lengths:
         items = None
         for spec in spec_list[length]:
-            with open_session(model, spec, length + most, n_ubatch) as session:
+            with open_session(model, spec, length + most, n_ubatch, rpc_servers=rpc_servers) as session:
                 engine = session.engine
                 if items is None:  # tokenization is the model's, whatever the spec
                     items = make_items(engine, Filler(engine, filler_texts), tasks, length, depths, trials, seed)

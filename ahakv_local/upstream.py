@@ -9,7 +9,9 @@ that a test fails on an upgrade that renames one, instead of a user meeting an A
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .errors import EngineNotPatched
@@ -22,6 +24,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "llama_cpp._logger": ("set_verbose",),
     "llama_cpp.llama_cpp": ("_lib",),
     "llama_cpp.llama": ("LlamaState",),
+    "llama_cpp._ggml": ("libggml",),
     "llama_cpp.llama_chat_format": ("Jinja2ChatFormatter",),
 }
 LLAMA_ATTRIBUTES = (
@@ -56,6 +59,32 @@ def cdll():
     import llama_cpp.llama_cpp
 
     return llama_cpp.llama_cpp._lib
+
+
+def ggml_cdll():
+    """The loaded libggml (the backend registry: RPC devices are made there)."""
+    from llama_cpp import _ggml
+
+    return _ggml.libggml
+
+
+@contextlib.contextmanager
+def model_params_hook(adjust: Callable[[Any], None]) -> Iterator[None]:
+    """While active, every model ``llama_cpp.Llama`` loads passes its ``llama_model_params`` through ``adjust``
+    first: upstream's constructor has no argument for ``devices`` or ``use_extra_bufts``."""
+    from llama_cpp import _internals
+
+    original = _internals.LlamaModel
+
+    def load(*, path_model: str, params, verbose: bool = True):
+        adjust(params)
+        return original(path_model=path_model, params=params, verbose=verbose)
+
+    _internals.LlamaModel = load
+    try:
+        yield
+    finally:
+        _internals.LlamaModel = original
 
 
 def set_verbose(verbose: bool) -> None:

@@ -61,8 +61,34 @@ def test_cache_key_follows_flags_and_patches(tmp_path, monkeypatch):
     assert build.plan().key != cpu.key
 
 
+def test_rpc_adds_the_backend_flag_and_changes_the_key(monkeypatch):
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    cpu, rpc = build.plan(), build.plan(rpc=True)
+    assert "-DGGML_RPC=ON" in rpc.cmake_args and "-DGGML_RPC=ON" not in cpu.cmake_args
+    assert rpc.key != cpu.key and rpc.patches == cpu.patches
+
+
+def test_a_plain_build_keeps_an_installed_rpc_engine(monkeypatch):
+    """RPC is a superset: `build` without --rpc must not rebuild over an RPC engine of the same flags,
+    and `build --rpc` must not accept a plain one."""
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    monkeypatch.setattr(build, "installed_key", lambda: build.plan(rpc=True).key)
+    assert "with RPC" in build.ensure_engine()
+    assert "up to date" in build.ensure_engine(rpc=True)
+    monkeypatch.setattr(build, "installed_key", lambda: build.plan().key)
+    assert "up to date" in build.ensure_engine()
+
+    def would_build():  # --rpc over a plain engine goes on to the wheel cache; stopped there, nothing is built
+        raise RuntimeError("would build")
+
+    monkeypatch.setattr(build, "cache_dir", would_build)
+    with pytest.raises(RuntimeError, match="would build"):
+        build.ensure_engine(rpc=True)
+
+
 def test_installed_engine_carries_its_key():
-    assert build.installed_key() == build.plan().key
+    # `make setup` builds with --rpc; a plain build is as good
+    assert build.installed_key() in (build.plan().key, build.plan(rpc=True).key)
 
 
 def test_a_vulkan_build_names_the_debian_packages_it_lacks_before_compiling(tmp_path, monkeypatch):

@@ -1,0 +1,172 @@
+"""llama.cpp RPC workers: the model's layers on other processes or machines (``--rpc HOST:PORT,...``).
+
+A worker is llama.cpp's ``ggml-rpc-server``, built by ``ahakv-local build --rpc`` from the same patched tree
+as the client and shipped in ``llama_cpp/lib``; ``ahakv-local rpc-server`` starts it. The client turns each
+address into ggml devices (``ggml_backend_rpc_add_server``) and hands them to llama.cpp in
+``llama_model_params.devices``, so only the model that asked uses them. llama.cpp aborts the whole process on
+an address it cannot reach or a worker of another protocol version, so every address is first checked here
+with the protocol's own handshake: a mistake is one line, not a crash.
+
+The RPC protocol is unauthenticated and unencrypted: run workers on a trusted network only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import struct
+import sys
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import AhakvError
+
+RPC_SERVER = "ggml-rpc-server"  # the worker's file name in llama_cpp/lib (patch 0012)
+PROTO_MAJOR, PROTO_MINOR = 7, 0  # RPC_PROTO_*_VERSION of ggml-rpc.h in the pinned sdist
+_HELLO = 14  # RPC_CMD_HELLO
+_CAPS = 24  # RPC_CONN_CAPS_SIZE
+_p = ctypes.c_void_p
+_GGML = {  # the backend registry functions of libggml this module calls
+    "ggml_backend_reg_by_name": ([ctypes.c_char_p], _p),
+    "ggml_backend_reg_get_proc_address": ([_p, ctypes.c_char_p], _p),
+    "ggml_backend_reg_dev_count": ([_p], ctypes.c_size_t),
+    "ggml_backend_reg_dev_get": ([_p, ctypes.c_size_t], _p),
+}
+OPTION_HELP = (
+    "llama.cpp RPC workers (`ahakv-local rpc-server`) to hold the layers: all of them unless -ngl says how many. "
+    "The protocol is unauthenticated: use it on a trusted network only."
+)
+BUILD_HINT = "the installed engine has no RPC backend: run `ahakv-local build --rpc`"
+
+
+def parse_servers(spec: str | Sequence[str]) -> tuple[str, ...]:
+    """``"host:port,host:port"`` (or a list of them) as endpoints; a malformed one is an AhakvError."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    endpoints = tuple(s.strip() for s in items if s.strip())
+    if not endpoints:
+        raise AhakvError(f"no RPC worker in {spec!r}: give HOST:PORT[,HOST:PORT...]")
+    for ep in endpoints:
+        host, sep, port = ep.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise AhakvError(f"bad RPC worker address {ep!r}: expected HOST:PORT with a port from 1 to 65535")
+        if ":" in host:  # llama.cpp splits at the first ':', so an IPv6 literal cannot be addressed
+            raise AhakvError(f"bad RPC worker address {ep!r}: use a host name or an IPv4 address")
+    if len(set(endpoints)) != len(endpoints):
+        raise AhakvError(f"RPC worker listed twice in {spec!r}")
+    return endpoints
+
+
+def check_worker(endpoint: str, timeout: float = 5.0) -> None:
+    """Connect and say hello as llama.cpp's client does: refused, silent or foreign workers are AhakvErrors.
+    (A worker serves one client at a time; this connection is closed before the model's own one opens.)"""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+            sock.sendall(struct.pack("<BQ", _HELLO, _CAPS) + bytes(_CAPS))
+            reply = _recv(sock, 8 + 4 + _CAPS)
+    except OSError as exc:
+        why = exc.strerror or str(exc) or type(exc).__name__
+        raise AhakvError(
+            f"cannot reach the RPC worker {endpoint} ({why}): start one there with "
+            f"`ahakv-local rpc-server --host HOST --port {port}`"
+        ) from None
+    (size,) = struct.unpack_from("<Q", reply)
+    major, minor = reply[8], reply[9]
+    if size != 4 + _CAPS or major != PROTO_MAJOR or minor > PROTO_MINOR:
+        raise AhakvError(
+            f"{endpoint} is not an RPC worker of this engine (protocol {major}.{minor}, expected {PROTO_MAJOR}.x): "
+            "start it with `ahakv-local rpc-server` from the same ahakv-local"
+        )
+
+
+def _recv(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionResetError(104, "closed the connection during the handshake")
+        data += chunk
+    return data
+
+
+class Devices:
+    """The ggml devices of some workers as a NULL-terminated ``ggml_backend_dev_t`` array for
+    ``llama_model_params.devices`` (the array lives as long as this object; llama.cpp copies it at load)."""
+
+    def __init__(self, endpoints: Sequence[str]):
+        from . import upstream
+
+        self.endpoints = tuple(endpoints)
+        # every address before llama.cpp sees one (it aborts on a bad one); not those a live model of this
+        # process is connected to: a worker serves one connection at a time, so a probe would wait there
+        busy = {ep for devices in _IN_USE for ep in devices.endpoints}
+        for ep in self.endpoints:
+            if ep not in busy:
+                check_worker(ep)
+        ggml = upstream.ggml_cdll()
+        for name, (argtypes, restype) in _GGML.items():
+            fn = getattr(ggml, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        rpc = ggml.ggml_backend_reg_by_name(b"RPC")
+        add = rpc and ggml.ggml_backend_reg_get_proc_address(rpc, b"ggml_backend_rpc_add_server")
+        if not add:
+            raise AhakvError(BUILD_HINT)
+        add_server = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(add)
+        devices: list[int] = []
+        for ep in self.endpoints:
+            reg = add_server(ep.encode())
+            if not reg:
+                raise AhakvError(f"the RPC worker {ep} offers no device")
+            devices += [ggml.ggml_backend_reg_dev_get(reg, i) for i in range(ggml.ggml_backend_reg_dev_count(reg))]
+        self.array = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+        _IN_USE.add(self)
+
+    @property
+    def pointer(self) -> int:
+        return ctypes.addressof(self.array)
+
+
+def configure(params, devices: Devices | None, repack_weights: bool) -> None:
+    """Set a ``llama_model_params`` for these workers (none: this machine only) and weight repacking. With
+    workers and no layer count asked (0), every layer goes to them: that is what --rpc is for."""
+    params.use_extra_bufts = repack_weights
+    if devices is not None:
+        params.devices = devices.pointer
+        if params.n_gpu_layers == 0:
+            params.n_gpu_layers = -1  # llama.cpp: a negative count is every layer
+
+
+_IN_USE: weakref.WeakSet[Devices] = weakref.WeakSet()  # the devices of models this process holds
+
+
+def server_binary() -> Path:
+    """The worker the installed engine ships; an AhakvError naming the build command when there is none."""
+    from .build import installed_package
+
+    pkg = installed_package()
+    exe = pkg / "lib" / (RPC_SERVER + (".exe" if sys.platform == "win32" else "")) if pkg else None
+    if exe is None or not exe.is_file():
+        raise AhakvError(f"{BUILD_HINT} (it ships the {RPC_SERVER} worker)")
+    return exe
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the worker binds
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise AhakvError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def serve(host: str, port: int, threads: int | None) -> None:
+    """Replace this process by the worker (signals and exit code are the worker's own)."""
+    exe = server_binary()
+    check_port_free(host, port)
+    args = [str(exe), "--host", host, "--port", str(port)]
+    if threads:
+        args += ["--threads", str(threads)]
+    sys.stderr.flush()
+    os.execv(exe, args)

@@ -1,0 +1,241 @@
+"""llama.cpp RPC workers on loopback: two `ahakv-local rpc-server` processes hold the model's layers.
+
+Tolerance: none (exact equality). The workers run the very ggml CPU kernels the client would (the same build of
+the same patched tree, on the same machine), and ggml's CPU kernels give every output element to one thread that
+sums in a fixed order, whatever the thread count, so a worker computes the same floats as the local run. What
+does differ is weight repacking: the local CPU repacks Q4_K weights into layouts whose kernels round differently
+(Gemma 270M: up to 3.54 in a logit over 100 tokens), a worker keeps the plain layout; so every local run here is
+made with ``repack_weights=False``. On two machines with different SIMD paths the results would differ by
+rounding; that is not what this file tests.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from ahakv_local import build, rpc, upstream
+from ahakv_local.cli import main
+from ahakv_local.engine import Engine, EngineConfig
+from ahakv_local.errors import AhakvError
+from ahakv_local.native import TapFlag
+from ahakv_local.session import SessionSpec, open_session
+
+ALL = TapFlag.VNORM | TapFlag.ATTN | TapFlag.SIDE | TapFlag.VERR
+KINDS = ("attn", "side", "verr", "vnorm")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rpc_engine_reason() -> str | None:
+    """Why the installed engine cannot run workers (None: it can)."""
+    try:
+        rpc.server_binary()
+    except AhakvError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """Two loopback workers on free ports, one thread each; their addresses as `--rpc` takes them."""
+    reason = rpc_engine_reason()
+    if reason:
+        pytest.skip(reason)
+    logs = tmp_path_factory.mktemp("workers")
+    procs, endpoints = [], []
+    try:
+        for i in range(2):
+            port = free_port()
+            log = open(logs / f"worker{i}.log", "wb")  # noqa: SIM115 (closed with the process)
+            cmd = [sys.executable, "-m", "ahakv_local", "rpc-server", "--port", str(port), "--threads", "1"]
+            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+            endpoints.append(f"127.0.0.1:{port}")
+        for ep in endpoints:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    rpc.check_worker(ep, timeout=2)
+                    break
+                except AhakvError:
+                    if time.monotonic() > deadline or any(p.poll() is not None for p, _ in procs):
+                        raise
+                    time.sleep(0.2)
+        yield ",".join(endpoints)
+    finally:
+        for proc, log in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+            log.close()
+
+
+def config(**kw) -> EngineConfig:
+    # F32 cache as in test_tap_fixture; repacking off (the module's docstring)
+    return EngineConfig(n_ctx=256, n_batch=64, n_ubatch=16, type_k="f32", type_v="f32", repack_weights=False, **kw)
+
+
+def run_with_tap(engine: Engine, tokens: list[int], evict: list[int]) -> list[np.ndarray]:
+    """Logits and every statistic of every layer: a prompt, an eviction, then three single tokens."""
+    out = []
+    engine.set_tap(ALL, window=8)
+    out.append(engine.decode(tokens[:40], all_logits=True))
+    out += [engine.stat(k, il).values for il in range(engine.n_layer) for k in KINDS]
+    out.append(engine.live_positions())
+    engine.evict(evict)
+    for t in tokens[40:43]:
+        engine.reset_stats()
+        out.append(engine.decode([t]))
+        out += [engine.stat(k, il).values for il in range(engine.n_layer) for k in KINDS]
+        out += [engine.stat(k, il).positions for il in range(engine.n_layer) for k in KINDS]
+    out.append(engine.live_positions())
+    return out
+
+
+def test_logits_statistics_and_evictions_equal_the_local_run(workers, fixture_model, license_text, capfd):
+    with Engine(fixture_model, config()) as local:
+        tokens = local.tokenize(license_text)[:43]
+        evict = [5, 6, 7, 20, 33]
+        expected = run_with_tap(local, tokens, evict)
+    with Engine(fixture_model, config(rpc_servers=tuple(workers.split(",")), verbose=True)) as remote:
+        got = run_with_tap(remote, tokens, evict)
+    log = capfd.readouterr().err
+    # the layers were on the workers: llama.cpp used both, and gave every layer to one of them
+    for ep in workers.split(","):
+        assert re.search(rf"using device RPC\d+ \({re.escape(ep)}\)", log), log[-3000:]
+    placed = re.findall(r"layer +(\d+) assigned to device (\S+),", log)
+    # (llama.cpp numbers the output layer n_layer)
+    assert sorted(int(il) for il, _ in placed) == list(range(remote.n_layer + 1)), log[-3000:]
+    assert all(dev.startswith("RPC") for _, dev in placed) and len({dev for _, dev in placed}) == 2, placed
+    assert len(got) == len(expected)
+    for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert a.shape == b.shape and np.array_equal(a, b), f"item {i}: max diff {np.abs(a - b).max()}"
+
+
+def test_a_budgeted_greedy_generation_equals_the_local_one(workers, fixture_model, license_text):
+    spec = SessionSpec.bounded("ahakv", 48, evict_every=4)
+
+    def generate(**kw) -> tuple[list[int], list[int], int]:
+        with open_session(fixture_model, spec, 200, 16, repack_weights=False, **kw) as session:
+            prompt = session.engine.tokenize(license_text)[:120]
+            out, _ = session.answer(session.read(prompt), 40)
+            ctl = session.controller
+            return out, ctl.live.tolist(), ctl.stats.evicted
+
+    local = generate()
+    assert local[2] > 0  # the budget evicted
+    assert generate(rpc_servers=tuple(workers.split(","))) == local
+
+
+def test_llama_dropin_takes_rpc_servers(workers, fixture_model):
+    from ahakv_local import Llama
+
+    def complete(**kw) -> str:
+        llm = Llama(str(fixture_model), kv_budget=48, n_ctx=256, verbose=False, repack_weights=False, **kw)
+        try:
+            prompt = "the quick brown fox jumps over the lazy dog " * 8  # longer than the budget
+            return llm.create_completion(prompt, max_tokens=24, temperature=0)["choices"][0]["text"]
+        finally:
+            llm.close()
+
+    assert complete(rpc_servers=workers) == complete()
+
+
+def test_two_models_of_one_process_share_the_workers(workers, fixture_model, license_text):
+    """A worker serves one connection at a time: a second model must not probe a worker the first one holds
+    (the probe would wait there until it timed out), and both decode on it; once both are closed, a new model
+    checks the workers again and connects anew."""
+    servers = tuple(workers.split(","))
+    with Engine(fixture_model, config(rpc_servers=servers)) as a:
+        tokens = a.tokenize(license_text)[:20]
+        first = a.decode(tokens)
+        with Engine(fixture_model, config(rpc_servers=servers)) as b:
+            assert np.array_equal(b.decode(tokens), first)
+    with Engine(fixture_model, config(rpc_servers=servers)) as c:
+        assert np.array_equal(c.decode(tokens), first)
+
+
+def test_gemma_ahakv_budget_128_greedy_equals_local_without_repacking(workers, gemma_model, license_text):
+    spec = SessionSpec.bounded("ahakv", 128)
+
+    def generate(**kw) -> list[int]:
+        with open_session(gemma_model, spec, 700, 64, repack_weights=False, **kw) as session:
+            prompt = session.engine.tokenize(license_text)[:600]
+            return session.answer(session.read(prompt), 32)[0]
+
+    assert generate(rpc_servers=tuple(workers.split(","))) == generate()
+
+
+# -- errors: one line, non-zero exit ---------------------------------------------------------------------
+
+
+def one_line(result, pattern: str) -> None:
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    assert pattern in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("bad", ["localhost", "host:", ":50052", "host:port", "host:0", "host:70000", "::1:5"])
+def test_bad_worker_address(bad):
+    with pytest.raises(AhakvError, match="bad RPC worker address"):
+        rpc.parse_servers(f"127.0.0.1:50052,{bad}")
+    one_line(CliRunner().invoke(main, ["generate", "fixture", "--rpc", bad, "-p", "x"]), "bad RPC worker address")
+
+
+def test_parse_servers():
+    assert rpc.parse_servers(" a:1, b.example:50052 ") == ("a:1", "b.example:50052")
+    assert rpc.parse_servers(["10.0.0.2:50052"]) == ("10.0.0.2:50052",)
+    with pytest.raises(AhakvError, match="listed twice"):
+        rpc.parse_servers("a:1,a:1")
+    with pytest.raises(AhakvError, match="no RPC worker"):
+        rpc.parse_servers(" , ")
+
+
+def test_unreachable_worker(fixture_model):
+    port = free_port()  # nothing listens there
+    result = CliRunner().invoke(main, ["generate", str(fixture_model), "--rpc", f"127.0.0.1:{port}", "-p", "x"])
+    one_line(result, f"cannot reach the RPC worker 127.0.0.1:{port}")
+    with pytest.raises(AhakvError, match="cannot reach"):
+        Engine(fixture_model, EngineConfig(n_ctx=256, rpc_servers=(f"127.0.0.1:{port}",)))
+
+
+def test_a_port_that_is_not_a_worker():
+    with socket.socket() as server:  # listens, never answers the handshake
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        with pytest.raises(AhakvError, match="cannot reach the RPC worker .*timed out"):
+            rpc.check_worker(f"127.0.0.1:{server.getsockname()[1]}", timeout=0.5)
+
+
+def test_rpc_server_without_an_rpc_engine(monkeypatch, tmp_path):
+    (tmp_path / "lib").mkdir()
+    monkeypatch.setattr(build, "installed_package", lambda: tmp_path)  # an engine built without --rpc
+    one_line(CliRunner().invoke(main, ["rpc-server", "--port", str(free_port())]), "ahakv-local build --rpc")
+    monkeypatch.setattr(build, "installed_package", lambda: None)  # no engine at all
+    one_line(CliRunner().invoke(main, ["rpc-server"]), "ahakv-local build --rpc")
+
+
+def test_a_client_engine_without_the_rpc_backend(workers, fixture_model, monkeypatch):
+    class NoRpcBackend:  # a libggml built without GGML_RPC: the registry has no "RPC"
+        def __getattr__(self, name):
+            return lambda *args: None
+
+    monkeypatch.setattr(upstream, "ggml_cdll", NoRpcBackend)
+    with pytest.raises(AhakvError, match=r"no RPC backend: run `ahakv-local build --rpc`"):
+        Engine(fixture_model, config(rpc_servers=tuple(workers.split(","))))
+
+
+def test_rpc_server_on_a_port_in_use(workers):
+    port = workers.split(",")[0].rsplit(":", 1)[1]
+    one_line(CliRunner().invoke(main, ["rpc-server", "--port", port]), f"cannot listen on 127.0.0.1:{port}")
