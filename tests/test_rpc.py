@@ -193,6 +193,16 @@ def test_bad_worker_address(bad):
     one_line(CliRunner().invoke(main, ["generate", "fixture", "--rpc", bad, "-p", "x"]), "bad RPC worker address")
 
 
+@pytest.mark.parametrize(
+    "command", [["chat"], ["generate", "-p", "x"], ["serve"], ["eval", "ppl"], ["eval", "needle"], ["eval", "longdoc"]]
+)
+def test_every_model_command_takes_rpc(command, monkeypatch):
+    """--rpc and AHAKV_RPC reach the address check of every command that loads a model (before the model)."""
+    one_line(CliRunner().invoke(main, [*command, "fixture", "--rpc", "nohost"]), "bad RPC worker address 'nohost'")
+    monkeypatch.setenv("AHAKV_RPC", "127.0.0.1:99999")
+    one_line(CliRunner().invoke(main, [*command, "fixture"]), "bad RPC worker address '127.0.0.1:99999'")
+
+
 def test_parse_servers():
     assert rpc.parse_servers(" a:1, b.example:50052 ") == ("a:1", "b.example:50052")
     assert rpc.parse_servers(["10.0.0.2:50052"]) == ("10.0.0.2:50052",)
