@@ -7,7 +7,7 @@ all requests, mean and max per-request latency, and the ratio parallel / one-at-
 the command that made it.
 
     python benchmarks/serve_parallel.py [MODEL] [--parallel 4] [--requests 8] [--max-tokens 64] [--budget 128]
-                                        [--threads 2] [--rounds 2]
+                                        [--threads 1] [--rounds 2]
 
 ``--engine POLICY`` measures one layer down instead, in one process: ``--parallel`` sequences of one context
 after a 150-token prompt each, ``--max-tokens`` decode steps of all of them in one llama_decode each
@@ -132,7 +132,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--budget", default="128")
-    ap.add_argument("--threads", type=int, default=2)
+    # one thread: llama.cpp's threads spin at every graph node's barrier, which on 2 cores shared with other work
+    # costs more than the batch saves (measured: AhaKV batched 0.66x of single steps with 2 threads at load 9-11,
+    # 1.43x with 1 thread)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--engine", metavar="POLICY", help="measure step_batch against single steps in-process")
     a = ap.parse_args()

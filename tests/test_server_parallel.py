@@ -238,7 +238,7 @@ def test_gemma_sequences_hold_their_budgets_and_agree_where_the_choice_is_clear(
     measured in an earlier run), so whole answers may differ from the one-at-a-time answers where two tokens
     are close. Asserted: every sequence holds its budget, every answer is non-empty, the first tokens'
     logits move by less than GEMMA_DRIFT, and the first token equals the alone-run's wherever the alone-run's
-    margin between its top two logits exceeds the drift measured in this run (3/8 did at a 2.0 margin here)."""
+    margin between its top two logits exceeds twice the drift measured in this run (3/8 did here)."""
     budgets = [48, 64, 80, 96, 48, 64, 80, 96]
     spec = SessionSpec.bounded("ahakv", 96, n_recent=16, reading="plain")
     cells = SequencePool.context_cells(spec.budget, 4, 64, 0)
@@ -285,7 +285,7 @@ def test_gemma_sequences_hold_their_budgets_and_agree_where_the_choice_is_clear(
     for a, b, logits in zip(alone, both, alone_first, strict=True):
         assert a and b  # non-empty answers
         top2 = np.sort(logits)[-2:]
-        if top2[1] - top2[0] > drift:
+        if top2[1] - top2[0] > 2 * drift:  # each logit moved by <= drift: their difference by <= 2 drift
             clear += 1
             assert a[0] == b[0]
     assert clear >= 1  # the check above ran
