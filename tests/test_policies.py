@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -213,3 +214,26 @@ def test_ahakv_question_scored_by_its_plain_attention():
     )
     with pytest.raises(ValueError, match="query_mass"):
         make_policy("ahakv", query_mass="loud").query_score(obs)
+
+
+def test_ahakv_question_heads_weighted_by_their_focus_without_the_sinks():
+    """query_weights="question": each head counts by its focus over the question's own attention, 1 - H/log n
+    (clipped to [0.05, 1], mean 1), the first 4 positions (attention sinks) left out of the focus."""
+    obs = synthetic_steps(steps=1)[0]
+    obs = dataclasses.replace(obs, positions=np.arange(N))  # positions 0..3 are now sinks
+    p = make_policy("ahakv", query_mass="attention", query_weights="question")
+    focus = np.zeros((L, H))
+    for li in range(L):
+        seen = [j for j in range(N) if VISIBLE[li, j] and j >= 4]
+        for h in range(H):
+            q = np.array([obs.attn[li, h, j] for j in seen], dtype=float)
+            q /= q.sum()
+            focus[li, h] = min(1.0, max(0.05, 1 + (q * np.log(q)).sum() / math.log(len(seen))))
+    w = focus / focus.mean()
+    expected = []
+    for j in range(N):
+        pairs = [(li, h) for li in range(L) for h in range(H) if VISIBLE[li, j]]
+        expected.append(sum(w[li, h] * obs.attn[li, h, j] for li, h in pairs) / sum(w[li, h] for li, h in pairs))
+    np.testing.assert_allclose(p.query_score(obs), expected, rtol=POLICY_RTOL)
+    with pytest.raises(ValueError, match="query_weights"):
+        make_policy("ahakv", query_weights="loud").query_score(obs)

@@ -32,6 +32,8 @@ import numpy as np
 from ..native import TapFlag
 from .base import Observation, Policy, RecentSum, avg_pool, holistic_sum, kv_to_query_heads, unit_mean
 
+QUESTION_SINKS = 4  # the controller's default n_sink: positions a question's head weights leave out
+
 
 @dataclass
 class AhaKV(Policy):
@@ -54,6 +56,10 @@ class AhaKV(Policy):
     query_mass: str = "error"
     query_kernel: int = 1
     query_own_share: float = 0.5
+    # ... and its head weights: "learned" (the running w(h, l)), "uniform", or "question" (each head's focus
+    # over the question's own attention with the attention sinks left out: a head that looks at the sink is
+    # focused but says nothing about what the question asks)
+    query_weights: str = "learned"
 
     ring: RecentSum = field(init=False)
     weights: np.ndarray | None = field(default=None, init=False)
@@ -88,11 +94,7 @@ class AhaKV(Policy):
         n_layer, n_head = obs.attn.shape[:2]
         if not self.holistic_weights:
             return np.ones((n_layer, n_head))
-        a = np.where(obs.visible[:, None, :], obs.attn, 0.0).astype(np.float64)
-        p = a / np.maximum(a.sum(axis=2, keepdims=True), 1e-12)
-        entropy = -(p * np.log(np.where(p > 0, p, 1.0))).sum(axis=2)
-        n_vis = np.maximum(obs.visible.sum(axis=1), 2)[:, None]
-        focus = np.clip(1.0 - entropy / np.log(n_vis), 0.05, 1.0)
+        focus = head_focus(obs.attn, obs.visible)
         if self.weights is None or self.weights.shape != focus.shape:
             self.weights = focus
         else:
@@ -166,8 +168,13 @@ class AhaKV(Policy):
         else:
             raise ValueError(f"query_mass must be 'error' or 'attention', not {self.query_mass!r}")
         w = None
-        if self.holistic_weights and self.weights is not None and self.weights.shape == mass.shape[:2]:
-            w = self.weights / self.weights.mean()
+        if self.query_weights == "question":
+            focus = head_focus(obs.attn, obs.visible & (obs.positions >= QUESTION_SINKS)[None, :])
+            w = focus / focus.mean()
+        elif self.query_weights not in ("learned", "uniform"):
+            raise ValueError(f"query_weights must be 'learned', 'uniform' or 'question', not {self.query_weights!r}")
+        elif self.query_weights == "learned" and self.holistic_weights and self.weights is not None:
+            w = self.weights / self.weights.mean() if self.weights.shape == mass.shape[:2] else None
         return avg_pool(holistic_sum(mass, obs.visible, w) / max(obs.n_rows, 1), self.query_kernel)
 
     def with_query(self, own: np.ndarray, query: np.ndarray) -> np.ndarray:
@@ -196,6 +203,16 @@ class AhaKV(Policy):
         w = self.weights / self.weights.mean() if self.holistic_weights and self.weights is not None else None
         w = np.ones(bound.shape[:2]) if w is None else w
         return np.einsum("lh,lhk->k", w, bound) / w.sum()
+
+
+def head_focus(attn: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """1 - H(a) / log(n) per layer and head, over the positions each layer sees (``visible`` [L, n]), clipped
+    to [0.05, 1]: [L, H]."""
+    a = np.where(visible[:, None, :], attn, 0.0).astype(np.float64)
+    p = a / np.maximum(a.sum(axis=2, keepdims=True), 1e-12)
+    entropy = -(p * np.log(np.where(p > 0, p, 1.0))).sum(axis=2)
+    n_vis = np.maximum(visible.sum(axis=1), 2)[:, None]
+    return np.clip(1.0 - entropy / np.log(n_vis), 0.05, 1.0)
 
 
 # each component of AhaKV switched off in turn (labels as in the reports)
