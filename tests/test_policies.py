@@ -237,3 +237,14 @@ def test_ahakv_question_heads_weighted_by_their_focus_without_the_sinks():
     np.testing.assert_allclose(p.query_score(obs), expected, rtol=POLICY_RTOL)
     with pytest.raises(ValueError, match="query_weights"):
         make_policy("ahakv", query_weights="loud").query_score(obs)
+
+
+def test_ahakv_score_kernel_pools_the_running_score():
+    steps = synthetic_steps(steps=2)
+    plain, pooled = make_policy("ahakv"), make_policy("ahakv", score_kernel=3)
+    for obs in steps:
+        plain.observe(obs)
+        pooled.observe(obs)
+    s = plain.score(steps[-1])
+    expected = [s[max(0, j - 1) : j + 2].mean() for j in range(N)]
+    np.testing.assert_allclose(pooled.score(steps[-1]), expected, rtol=POLICY_RTOL)

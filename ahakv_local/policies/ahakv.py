@@ -50,6 +50,7 @@ class AhaKV(Policy):
     holistic_weights: bool = True  # (b) adaptive w(h, l); off: uniform
     error_model: bool = True  # (c) relative distance ||v - o|| / ||o|| instead of the value prior
     weight_smoothing: float = 0.9
+    score_kernel: int = 1  # average-pool the running score over this many neighbours (1: per token, as the paper)
     # guided reading: what the question's rows score ("error": as a decode step, below; "attention": their
     # plain attention, as FINCH/SnapKV), pooled over ``query_kernel`` neighbours, and the share of the running
     # score that still counts beside it
@@ -146,7 +147,7 @@ class AhaKV(Policy):
         return np.where(found[None, None, :], dist[:, :, idx], median)
 
     def score(self, obs: Observation) -> np.ndarray:
-        return self.ring.get(obs.positions)
+        return avg_pool(self.ring.get(obs.positions), self.score_kernel)
 
     @property
     def query_flags(self) -> TapFlag:  # type: ignore[override]
