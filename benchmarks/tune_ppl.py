@@ -1,0 +1,46 @@
+"""Perplexity and KL from the full cache of policy variants on a tuning text (not GPL-3 or MPL-1.1, which the
+RESULTS tables read), so that a setting tuned for one task is checked for what it costs in perplexity.
+
+    python benchmarks/tune_ppl.py '{"aha": ["ahakv", {}], "aha-sk7": ["ahakv", {"score_kernel": 7}]}' \
+        --text /usr/share/common-licenses/GFDL-1.3 --tokens 2048 --budget 256 --step 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from ahakv_local.engine import Engine, EngineConfig
+from ahakv_local.evaluation import evaluate
+from ahakv_local.models import default_model_path
+from ahakv_local.session import SessionSpec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("variants", help="JSON {label: [policy, params]}")
+    ap.add_argument("--text", default="/usr/share/common-licenses/GFDL-1.3")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--step", type=int, default=16)
+    args = ap.parse_args()
+    model = default_model_path()
+    with Engine(model, EngineConfig(n_ctx=64)) as e:
+        tokens = e.tokenize(Path(args.text).read_text(encoding="utf-8"))[: args.tokens]
+    specs = [
+        SessionSpec.bounded(policy, args.budget, label=label, params=params)
+        for label, (policy, params) in json.loads(args.variants).items()
+    ]
+    start = time.time()
+    results = evaluate(model, tokens, specs, step=args.step)
+    print(f"{Path(args.text).name}, {len(tokens)} tokens, budget {args.budget}, step {args.step}")
+    print("| variant | ppl | mean KL | top-1 |\n|---|---:|---:|---:|")
+    for label, r in results.items():
+        print(f"| {label} | {r.ppl:.3f} | {r.kl:.4f} | {r.top1:.3f} |")
+    print(f"{time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
