@@ -11,9 +11,9 @@ from pathlib import Path
 import click
 
 from . import __version__
+from .cli_eval import n_gpu_layers_option, rpc_option
 from .errors import AhakvError
 from .extras import require
-from .rpc import OPTION_HELP as RPC_HELP
 
 
 class Group(click.Group):
@@ -136,22 +136,8 @@ def engine_options(f):
             help="Steps before each eviction whose full statistics the policy reads (0 = every step).",
         ),
         click.option("-t", "--threads", type=Positive, default=None, envvar="AHAKV_THREADS", help="CPU threads."),
-        click.option(
-            "-ngl",
-            "--n-gpu-layers",
-            type=click.IntRange(min=-1),
-            default=0,
-            show_default=True,
-            envvar="AHAKV_N_GPU_LAYERS",
-            help="Layers to offload to the GPU.",
-        ),
-        click.option(
-            "--rpc",
-            default=None,
-            metavar="HOST:PORT,...",
-            envvar="AHAKV_RPC",
-            help=RPC_HELP,
-        ),
+        n_gpu_layers_option("Layers to offload to the GPU."),
+        rpc_option,
         click.option(
             "--batch-size",
             type=Positive,

@@ -16,10 +16,24 @@ from .extras import require
 LICENSES = Path("/usr/share/common-licenses")
 
 
-def _rpc_option(f):
+def rpc_option(f):
+    """--rpc / AHAKV_RPC: the llama.cpp RPC workers of every command that loads a model."""
     from .rpc import OPTION_HELP
 
     return click.option("--rpc", default=None, metavar="HOST:PORT,...", envvar="AHAKV_RPC", help=OPTION_HELP)(f)
+
+
+def n_gpu_layers_option(help: str):
+    """-ngl / AHAKV_N_GPU_LAYERS: layers to offload (-1: all)."""
+    return click.option(
+        "-ngl",
+        "--n-gpu-layers",
+        type=click.IntRange(min=-1),
+        default=0,
+        show_default=True,
+        envvar="AHAKV_N_GPU_LAYERS",
+        help=help,
+    )
 
 
 def _rpc(rpc: str | None) -> tuple[str, ...]:
@@ -118,7 +132,7 @@ def eval_group() -> None:
 @click.option("--sinks", default=4, show_default=True)
 @click.option("--recent", default=32, show_default=True)
 @click.option("--out", "out_dir", default="eval-out", show_default=True, help="Folder for the outputs.")
-@_rpc_option
+@rpc_option
 def eval_ppl(
     model, text_file, tokens, prefix, budgets, policies, ablations, ablations_at, step, evict_every, observe_steps,
     sinks, recent, out_dir, rpc,
@@ -178,7 +192,7 @@ def eval_ppl(
 @click.option("--sinks", default=4, show_default=True)
 @click.option("--recent", default=32, show_default=True)
 @click.option("--out", "out_dir", default="needle-out", show_default=True, help="Folder for the outputs.")
-@_rpc_option
+@rpc_option
 def eval_needle(
     model, filler_file, lengths, depths, budgets, policies, trials, seed, sinks, recent, out_dir, rpc
 ) -> None:
@@ -239,7 +253,7 @@ def eval_needle(
 @click.option("--sinks", default=4, show_default=True)
 @click.option("--recent", default=32, show_default=True)
 @click.option("--out", "out_dir", default="longdoc-out", show_default=True, help="Folder for the outputs.")
-@_rpc_option
+@rpc_option
 def eval_longdoc(
     model, tasks, lengths, depths, compressions, policies, reading, trials, seed, filler_files, sinks, recent, out_dir,
     rpc,
@@ -333,15 +347,7 @@ def bench_group() -> None:
     default=None,
     help="Also state the KV memory each row allocates to read this many tokens (default: the trained context).",
 )
-@click.option(
-    "-ngl",
-    "--n-gpu-layers",
-    type=click.IntRange(min=-1),
-    default=0,
-    show_default=True,
-    envvar="AHAKV_N_GPU_LAYERS",
-    help="Layers to offload to the GPU (-1: all), in every run alike.",
-)
+@n_gpu_layers_option("Layers to offload to the GPU (-1: all), in every run alike.")
 @click.option("--out", "out_dir", default="bench-out", show_default=True, help="Folder for the outputs.")
 def bench_speed(
     model,
