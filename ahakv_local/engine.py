@@ -51,12 +51,23 @@ def kv_type_params(kv_type: str, flash_attn: bool | None = None) -> dict:
     return {"type_k": ggml_type, "type_v": ggml_type} | ({"flash_attn": True} if quantized else {})
 
 
+def default_threads() -> int:
+    """CPU threads when none are given: AHAKV_THREADS (also the CLI's -t default), else every core. Several
+    engines on few cores want 1 each: ggml's threads spin at each graph barrier, so oversubscribing stalls all."""
+    env = os.environ.get("AHAKV_THREADS", "").strip()
+    if not env:
+        return os.cpu_count() or 1
+    if not (env.isdigit() and int(env) > 0):
+        raise AhakvError(f"AHAKV_THREADS must be a positive whole number, not {env!r}")
+    return int(env)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     n_ctx: int = 4096  # KV cells (llama.cpp pads to 256)
     n_batch: int = 512  # tokens per llama_decode call
     n_ubatch: int = 512  # tokens per graph evaluation
-    n_threads: int | None = None  # default: every core
+    n_threads: int | None = None  # default: AHAKV_THREADS, else every core
     n_gpu_layers: int = 0
     flash_attn: bool = False  # on: the tap's ATTN is the side pass at scale 1 (the flash kernel keeps its softmax)
     type_k: str = "f16"
@@ -117,6 +128,7 @@ class Engine:
         # one line for a model the tap or eviction cannot handle, or K/V types its heads cannot be stored in
         check_kv_types(read_info(path), config.type_k, config.type_v)
         cache_cells = self._check_cache_cells(config, min(config.n_ubatch, config.n_batch))
+        threads = config.n_threads or default_threads()
         self.native = lib()  # refuses an unpatched engine before anything is loaded
 
         import llama_cpp
@@ -145,7 +157,6 @@ class Engine:
         cparams.n_seq_max = config.n_seq
         # one KV stream for every sequence: the tap's statistics are indexed by the cells of one stream
         cparams.kv_unified = config.n_seq > 1
-        threads = config.n_threads or os.cpu_count() or 1
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.flash_attn_type = (
             llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED

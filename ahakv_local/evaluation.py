@@ -43,6 +43,8 @@ class PplResult:
     kl: float = 0.0  # mean KL(full || this) per scored token, nats
     top1: float = 1.0  # fraction of steps whose argmax equals the full cache's
     kv_bytes: int = 0  # K+V bytes its engine allocated (every cache)
+    mean_cells: float = 0.0  # live cells after each step past the prefix, averaged (an auto budget's mean)
+    mean_share: float = 0.0  # live cells / tokens seen after each step past the prefix, averaged
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -131,6 +133,7 @@ class _Run:
     peak: int = 0
     seconds: float = 0.0
     kv_bytes: int = 0
+    held: list[tuple[int, int]] = field(default_factory=list)  # (live cells, tokens seen) after each step
 
     def __post_init__(self) -> None:
         self.kv_bytes = self.session.engine.kv_bytes()
@@ -152,6 +155,8 @@ class _Run:
             float(np.mean(self.kl)) if self.kl else 0.0,
             float(np.mean(self.top1)) if self.top1 else 1.0,
             self.kv_bytes,
+            float(np.mean([c for c, _ in self.held])) if self.held else 0.0,
+            float(np.mean([c / n for c, n in self.held])) if self.held else 0.0,
         )
 
 
@@ -185,6 +190,8 @@ def _stream(run: _Run, tokens: list[int], prefix: int, step: int) -> Iterator[tu
             rows = run.ctl.prefill(tokens[a:b], all_logits=True, chunk=n_ubatch if a < prefix else step)
         run.seconds += time.perf_counter() - t0
         run.peak = max(run.peak, run.ctl.live.size)
+        if a >= prefix:
+            run.held.append((run.ctl.live.size, b))
         # the logits that predicted this chunk: the previous call's last row, then this call's
         logp, first = (rows[:-1], a + 1) if last is None else (np.concatenate([last[None], rows[:-1]]), a)
         last = rows[-1].copy()

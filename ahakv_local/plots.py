@@ -91,3 +91,37 @@ def plot_longdoc(trials: list[LongdocTrial], path: Path, title: str = "") -> Pat
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_frontier(rows: list[dict], full_ppl: float, trimmed_bytes: int, path: Path, title: str = "") -> Path:
+    """Perplexity and mean KL from the full cache against allocated KV bytes (benchmarks/layer_budgets.py):
+    one line per policy and layer allocation (rows with "policy", "layer_budgets", "budget_bytes", "ppl",
+    "kl"), natural groups solid, the shared pool dashed, the full cache's perplexity and llama.cpp's trimmed
+    cache's bytes as reference lines."""
+    fig, (ppl, kl) = plt.subplots(1, 2, figsize=(11, 4.5))
+    colours = {}
+    for policy, layers in dict.fromkeys((r["policy"], r["layer_budgets"]) for r in rows):
+        run = sorted((r for r in rows if (r["policy"], r["layer_budgets"]) == (policy, layers)),
+                     key=lambda r: r["budget_bytes"])  # fmt: skip
+        mib = [r["budget_bytes"] / 2**20 for r in run]
+        style = {"linestyle": "-" if layers == "natural" else "--", "marker": "o",
+                 "linewidth": 2.5 if policy == "ahakv" else 1.2}  # fmt: skip
+        if policy in colours:
+            style["color"] = colours[policy]
+        (line,) = ppl.plot(mib, [r["ppl"] for r in run], label=f"{policy} {layers}", **style)
+        colours[policy] = line.get_color()
+        kl.plot(mib, [r["kl"] for r in run], **(style | {"color": colours[policy]}))
+    ppl.axhline(full_ppl, color="black", linestyle=":", label="full cache")
+    for ax, name in ((ppl, "streaming perplexity"), (kl, "mean KL from the full cache (nats)")):
+        ax.axvline(trimmed_bytes / 2**20, color="grey", linestyle=":", label="llama.cpp trimmed cache")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("allocated KV (MiB)")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    kl.set_yscale("log")
+    ppl.legend(fontsize=7, ncol=2)
+    fig.suptitle(title or "perplexity and KL against allocated KV bytes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -5,7 +5,8 @@ budgets of 1/2, 1/4 and 1/8 of llama.cpp's trimmed cache (swa_full off) at the s
         --tokens 4096 --step 16 --out benchmarks/layer_budgets.json
 
 Nothing is tuned on the text. Results go to a JSON file (rewritten after each policy) and a markdown table
-next to it, with the command that produced them.
+next to it, with the command that produced them, and the frontier (perplexity and KL against allocated bytes)
+as a PNG beside them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.evaluation import evaluate
 from ahakv_local.info import read_info
 from ahakv_local.models import default_model_path
+from ahakv_local.plots import plot_frontier
 from ahakv_local.session import SessionSpec
 
 FRACTIONS = (2, 4, 8)
@@ -85,6 +87,8 @@ def main() -> None:
         print(f"{policy}: {time.perf_counter() - t0:.0f} s", flush=True)
         out.write_text(json.dumps(report, indent=1))
         out.with_suffix(".md").write_text(table(report))
+        plot_frontier(report["results"], report["full_ppl"], trimmed, out.with_suffix(".png"),
+                      f"{model.name}, {len(tokens)} tokens of {Path(args.text).name}")  # fmt: skip
 
 
 def table(report: dict) -> str:

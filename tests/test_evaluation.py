@@ -45,6 +45,12 @@ def test_stepping_in_chunks_scores_every_token_and_holds_the_budget(fixture_mode
     results = evaluate(fixture_model, tokens, [SessionSpec.bounded("h2o", 64, label="h2o")], prefix=64, step=16)
     assert abs(results["full"].ppl / one_pass - 1) < 1e-5  # F32 fixture: chunked == one pass
     assert results["h2o"].max_cells <= 64 and results["h2o"].ppl != results["full"].ppl  # held at every step
+    # the cells held after each step and their share of the tokens seen: every token (full), or the budget
+    # less the room the next step needs (an eviction every 16 tokens goes 16 - 1 cells below it: controller.py)
+    seen = np.minimum(np.arange(64 + 16, 300 + 15, 16), 300)
+    assert results["full"].mean_cells == pytest.approx(seen.mean()) and results["full"].mean_share == 1.0
+    held = 64 - (16 - 1)
+    assert results["h2o"].mean_cells == held and results["h2o"].mean_share == pytest.approx(np.mean(held / seen))
     by_token = evaluate(fixture_model, tokens, [SessionSpec.bounded("h2o", 64, label="h2o")], prefix=64, step=1)
     assert by_token["full"].ppl == pytest.approx(results["full"].ppl, rel=1e-5)
 

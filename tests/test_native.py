@@ -4,6 +4,7 @@ the native eviction reports its error codes."""
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import llama_cpp
@@ -13,7 +14,7 @@ import pytest
 
 from ahakv_local import native
 from ahakv_local.engine import Engine, EngineConfig
-from ahakv_local.errors import EngineNotPatched
+from ahakv_local.errors import AhakvError, EngineNotPatched
 
 import device
 
@@ -74,3 +75,18 @@ def test_native_evict_error_codes(fixture_model):
         assert evict([2, 3]) == 2
         assert evict([2, 3, 4]) == 1  # positions no longer there are skipped
         assert e.n_used() == 34
+
+
+def test_threads_default_to_ahakv_threads_then_every_core(fixture_model, monkeypatch):
+    # what the context was created with, read back from llama.cpp (llama_n_threads), not from our config
+    monkeypatch.setenv("AHAKV_THREADS", "1")
+    with Engine(fixture_model, EngineConfig(n_ctx=256)) as e:
+        assert llama_cpp.llama_n_threads(e.ctx) == 1
+    with Engine(fixture_model, EngineConfig(n_ctx=256, n_threads=2)) as e:  # an explicit count wins
+        assert llama_cpp.llama_n_threads(e.ctx) == 2
+    monkeypatch.delenv("AHAKV_THREADS")
+    with Engine(fixture_model, EngineConfig(n_ctx=256)) as e:
+        assert llama_cpp.llama_n_threads(e.ctx) == (os.cpu_count() or 1)
+    monkeypatch.setenv("AHAKV_THREADS", "two")
+    with pytest.raises(AhakvError, match="AHAKV_THREADS must be a positive whole number"):
+        Engine(fixture_model, EngineConfig(n_ctx=256))
