@@ -169,6 +169,7 @@ def allocate(
     longest: int = 0,
     room: int = 0,
     every: int = 1,
+    sliding_share: float | None = None,
 ) -> Allocation:
     """Lay ``budget`` out on the layer groups and caches of a model read ``chunk`` tokens at a time, at most
     ``longest`` long, with ``room`` for a guided reading and an eviction every ``every`` steps.
@@ -182,7 +183,9 @@ def allocate(
     sliding group holds as much, up to its window. A byte budget is the allocated K+V bytes of every layer,
     each cache sized by ``cells_for`` (a group's cells + one chunk + the newest token + ``room``): ``shared``
     gives every cache the most cells the bytes allow; ``natural`` gives the sliding cache
-    min(window + every - 1 + chunk + 1 + room, that shared count) and the full-attention cache the rest."""
+    min(window + every - 1 + chunk + 1 + room, that shared count) and the full-attention cache the rest, or,
+    with ``sliding_share``, that share of the bytes to the sliding cache (at most what its window needs) and the
+    rest to the full-attention cache (how the bytes are best split is measured in benchmarks/group_split.py)."""
     if layer_budgets not in LAYER_BUDGETS:
         raise AhakvError(f"layer budgets must be {' or '.join(LAYER_BUDGETS)}, not {layer_budgets!r}")
     two = layout.sliding_bytes > 0
@@ -193,6 +196,10 @@ def allocate(
         total = int(budget.value)
         shared = total // (layout.base_bytes + layout.sliding_bytes)
         sliding = min(window + extra, shared) if natural else shared
+        if natural and sliding_share is not None:
+            if not 0 < sliding_share < 1:
+                raise AhakvError(f"the sliding cache's share of the bytes must be in (0, 1), not {sliding_share}")
+            sliding = min(window + extra, int(sliding_share * total) // layout.sliding_bytes)
         base = (total - sliding * layout.sliding_bytes) // layout.base_bytes if natural else shared
         if min(base, sliding) <= extra:
             raise AhakvError(

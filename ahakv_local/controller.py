@@ -63,6 +63,7 @@ class ControllerConfig:
     # how the budget is laid out on the layers: one pool for every layer, or one group per cache
     layer_budgets: LayerBudgets = "shared"
     room: int = 0  # cells the session allocated for a guided reading on top (a byte budget leaves them free)
+    sliding_share: float | None = None  # natural, a byte budget: the sliding cache's share (budget.allocate)
 
     def __post_init__(self) -> None:
         if self.evict_every < 1 or (self.observe_steps is not None and self.observe_steps < 1):
@@ -127,7 +128,14 @@ class KVController:
         every = self.config.evict_every
         e = self.engine
         return allocate(
-            budget, e.cache_layout(), self.config.layer_budgets, e.config.n_ubatch, 0, self.config.room, every
+            budget,
+            e.cache_layout(),
+            self.config.layer_budgets,
+            e.config.n_ubatch,
+            0,
+            self.config.room,
+            every,
+            self.config.sliding_share,
         )
 
     # -- decoding ------------------------------------------------------------------------------------

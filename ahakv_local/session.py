@@ -57,6 +57,7 @@ class SessionSpec:
     reading: Reading = "plain"
     # how the budget is laid out on the layers (budget.allocate): one pool for every layer, or one per cache
     layer_budgets: LayerBudgets = "shared"
+    sliding_share: float | None = None  # natural, a byte budget: the sliding cache's share (None: its window)
 
     def __post_init__(self) -> None:
         policy = self.make_policy()  # an unknown policy or parameter fails here, before any model loads
@@ -91,14 +92,18 @@ class SessionSpec:
             return self.evict_every
         budget = self.budget
         if budget.mode == "bytes":
-            budget = allocate(budget, layout, self.layer_budgets, chunk, 0, self.room(chunk), 32).groups[0]
+            budget = allocate(
+                budget, layout, self.layer_budgets, chunk, 0, self.room(chunk), 32, self.sliding_share
+            ).groups[0]
         return default_evict_every(budget, self.n_sink, self.n_recent)
 
     def allocation(self, layout: CacheLayout, chunk: int, longest: int) -> Allocation:
         """The budget laid out on a model (``budget.allocate``): what each layer group holds and the cells of
         each cache, for a sequence of at most ``longest`` tokens read ``chunk`` at a time."""
         every = self.evict_every_on(layout, chunk)
-        return allocate(self.budget, layout, self.layer_budgets, chunk, longest, self.room(chunk), every)
+        return allocate(
+            self.budget, layout, self.layer_budgets, chunk, longest, self.room(chunk), every, self.sliding_share
+        )
 
     def config(self, layout: CacheLayout, chunk: int) -> ControllerConfig:
         return ControllerConfig(
@@ -110,6 +115,7 @@ class SessionSpec:
             observe_steps=self.observe_steps,
             layer_budgets=self.layer_budgets,
             room=self.room(chunk),
+            sliding_share=self.sliding_share,
         )
 
     def controller(self, engine: Engine) -> KVController:

@@ -97,6 +97,23 @@ def test_the_layout_rules_on_gemma3_270m():
         allocate(budget, one, "per-layer")
 
 
+def test_a_sliding_share_splits_the_bytes_between_the_caches():
+    chunk, every, extra, total = 64, 16, 64 + 1, 3 * 2**20
+    for share in (0.4, 0.6, 0.8):
+        a = allocate(Budget.parse("3MiB"), GEMMA3_270M, "natural", chunk, 4096, 0, every, share)
+        sliding = int(share * total) // (15 * 1024)  # whole cells of its 15 layers within its share
+        assert a.cache_cells == (((total - sliding * 15 * 1024) // (3 * 1024)), sliding)
+        assert a.groups == (Budget("cells", a.cache_cells[0] - extra), Budget("cells", sliding - extra))
+        assert GEMMA3_270M.bytes(a.cache_cells) <= total
+    # never more than its window needs; the full-attention cache takes the rest
+    big = allocate(Budget.parse("64MiB"), GEMMA3_270M, "natural", chunk, 4096, 0, every, 0.9)
+    assert big.cache_cells[1] == 512 + every - 1 + extra
+    with pytest.raises(AhakvError, match="share of the bytes must be in"):
+        allocate(Budget.parse("3MiB"), GEMMA3_270M, "natural", chunk, 4096, 0, every, 1.0)
+    with pytest.raises(AhakvError, match="not enough for a prompt chunk"):  # 40 sliding cells < a chunk + 1
+        allocate(Budget.parse("3MiB"), GEMMA3_270M, "natural", chunk, 4096, 0, every, 0.2)
+
+
 # -- the controller: every group holds its budget --------------------------------------------------------
 
 

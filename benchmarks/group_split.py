@@ -1,0 +1,78 @@
+"""How to split a byte budget between Gemma 3's two caches under ``natural`` layer budgets: perplexity and mean
+KL from the full cache at 1/4 and 1/8 of llama.cpp's trimmed cache, for several shares of the bytes given to
+the sliding-window cache (15 layers, 15 KiB a cell) against the full-attention cache (3 layers, 3 KiB a cell).
+The default gives the sliding cache its window when the bytes allow it, else as many cells as the other
+(share 15/18 = 0.83): a share below that buys five full-attention cells for each sliding one.
+
+    AHAKV_CACHE_DIR=... python benchmarks/group_split.py --text /usr/share/common-licenses/LGPL-2.1 \\
+        --tokens 4096 --step 16 --shares 0.4,0.55,0.7 --out benchmarks/out/group_split.json
+
+Run on a tuning text (not GPL-3 or MPL-1.1, which the reports read). JSON + a markdown table with the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from layer_budgets import trimmed_bytes  # benchmarks/ is the script's directory: sys.path[0]
+
+from ahakv_local.budget import Budget
+from ahakv_local.engine import Engine, EngineConfig
+from ahakv_local.evaluation import evaluate
+from ahakv_local.models import default_model_path
+from ahakv_local.session import SessionSpec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--text", default="/usr/share/common-licenses/LGPL-2.1")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--step", type=int, default=16)
+    ap.add_argument("--n-ubatch", type=int, default=64)
+    ap.add_argument("--fractions", default="4,8")
+    ap.add_argument("--shares", default="0.4,0.55,0.7")
+    ap.add_argument("--policies", default="ahakv")
+    ap.add_argument("--out", default="benchmarks/out/group_split.json")
+    args = ap.parse_args()
+    model = default_model_path()
+    with Engine(model, EngineConfig(n_ctx=256)) as e:
+        tokens = e.tokenize(Path(args.text).read_text(encoding="utf-8"))[: args.tokens]
+    trimmed = trimmed_bytes(model, len(tokens), args.n_ubatch)
+    report = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "model": model.name,
+              "text": args.text, "tokens": len(tokens), "trimmed_bytes": trimmed, "rows": []}  # fmt: skip
+    specs = []
+    for policy in args.policies.split(","):
+        for frac in map(int, args.fractions.split(",")):
+            budget = Budget.parse(f"{trimmed // frac}B")
+            for share in [None, *map(float, args.shares.split(","))]:
+                label = f"{policy}/1/{frac}/{share or 'window'}"
+                specs.append(SessionSpec.bounded(policy, budget, layer_budgets="natural", sliding_share=share,
+                                                 label=label))  # fmt: skip
+    results = evaluate(model, tokens, specs, n_ubatch=args.n_ubatch, step=args.step)
+    report["full_ppl"] = results["full"].ppl
+    for spec in specs:
+        r = results[spec.label]
+        policy, _, frac, share = spec.label.split("/")
+        report["rows"].append({"policy": policy, "fraction": f"1/{frac}", "share": share, "kv_bytes": r.kv_bytes,
+                               "ppl": r.ppl, "kl": r.kl, "top1": r.top1})  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    lines = [f"Byte split between the caches, {report['model']}, {report['tokens']} tokens of {args.text}, "
+             f"step {args.step}; trimmed cache {trimmed / 2**20:.2f} MiB; full cache ppl {report['full_ppl']:.3f}",
+             "", f"    {report['command']}", "",
+             "| policy | budget | sliding share | KV MiB | ppl | mean KL | top-1 |",
+             "|---|---|---|---:|---:|---:|---:|"]  # fmt: skip
+    for r in report["rows"]:
+        lines.append(f"| {r['policy']} | {r['fraction']} | {r['share']} | {r['kv_bytes'] / 2**20:.2f} | "
+                     f"{r['ppl']:.3f} | {r['kl']:.4f} | {r['top1']:.3f} |")  # fmt: skip
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    main()
