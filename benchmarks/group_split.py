@@ -41,29 +41,41 @@ def main() -> None:
     model = default_model_path()
     with Engine(model, EngineConfig(n_ctx=256)) as e:
         tokens = e.tokenize(Path(args.text).read_text(encoding="utf-8"))[: args.tokens]
+        layout = e.cache_layout()
     trimmed = trimmed_bytes(model, len(tokens), args.n_ubatch)
     report = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "model": model.name,
               "text": args.text, "tokens": len(tokens), "trimmed_bytes": trimmed, "rows": []}  # fmt: skip
-    specs = []
-    for policy in args.policies.split(","):
-        for frac in map(int, args.fractions.split(",")):
-            budget = Budget.parse(f"{trimmed // frac}B")
-            for share in [None, *map(float, args.shares.split(","))]:
-                label = f"{policy}/1/{frac}/{share or 'window'}"
-                specs.append(SessionSpec.bounded(policy, budget, layer_budgets="natural", sliding_share=share,
-                                                 label=label))  # fmt: skip
-    results = evaluate(model, tokens, specs, n_ubatch=args.n_ubatch, step=args.step)
-    report["full_ppl"] = results["full"].ppl
-    for spec in specs:
-        r = results[spec.label]
-        policy, _, frac, share = spec.label.split("/")
-        report["rows"].append({"policy": policy, "fraction": f"1/{frac}", "share": share, "kv_bytes": r.kv_bytes,
-                               "ppl": r.ppl, "kl": r.kl, "top1": r.top1})  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    for frac in map(int, args.fractions.split(",")):
+        budget = Budget.parse(f"{trimmed // frac}B")
+        specs = []
+        for policy in args.policies.split(","):
+            for share in [None, *map(float, args.shares.split(","))]:
+                label = f"{policy}/{frac}/{share or 'window'}"
+                spec = SessionSpec.bounded(policy, budget, layer_budgets="natural", sliding_share=share,
+                                           evict_every=args.step, label=label)  # fmt: skip
+                # a group must hold its sinks, recent tokens and one eviction period (the controller's floor)
+                floor = spec.n_sink + spec.n_recent + args.step
+                if min(g.value for g in spec.allocation(layout, args.n_ubatch, len(tokens)).groups) < floor:
+                    print(f"skipped {spec.label}: a group would hold fewer than {floor} cells", flush=True)
+                else:
+                    specs.append(spec)
+        results = evaluate(model, tokens, specs, n_ubatch=args.n_ubatch, step=args.step)
+        report["full_ppl"] = results["full"].ppl
+        for spec in specs:
+            r = results[spec.label]
+            policy, _, share = spec.label.split("/")
+            report["rows"].append({"policy": policy, "fraction": f"1/{frac}", "share": share,
+                                   "kv_bytes": r.kv_bytes, "ppl": r.ppl, "kl": r.kl, "top1": r.top1})  # fmt: skip
+        write(report, out, args)
+
+
+def write(report: dict, out: Path, args: argparse.Namespace) -> None:
     out.write_text(json.dumps(report, indent=1))
     lines = [f"Byte split between the caches, {report['model']}, {report['tokens']} tokens of {args.text}, "
-             f"step {args.step}; trimmed cache {trimmed / 2**20:.2f} MiB; full cache ppl {report['full_ppl']:.3f}",
+             f"step {args.step}; trimmed cache {report['trimmed_bytes'] / 2**20:.2f} MiB; "
+             f"full cache ppl {report['full_ppl']:.3f}",
              "", f"    {report['command']}", "",
              "| policy | budget | sliding share | KV MiB | ppl | mean KL | top-1 |",
              "|---|---|---|---:|---:|---:|---:|"]  # fmt: skip
