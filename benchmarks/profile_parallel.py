@@ -83,7 +83,8 @@ def run_parallel(a) -> None:
 def run_serial(a) -> None:
     from ahakv_local.cli import load_llama
 
-    llm = load_llama(a.model or None, None, a.budget, "ahakv", 4, 32, None, None, 1, a.threads, 0, None, reading="plain")
+    model = a.model or None
+    llm = load_llama(model, None, a.budget, "ahakv", 4, 32, None, None, 1, a.threads, 0, None, reading="plain")
     timer = DecodeTimer()
     prof = cProfile.Profile()
     n = 0
@@ -93,8 +94,7 @@ def run_serial(a) -> None:
         out = llm.create_completion(p, max_tokens=a.max_tokens, temperature=0)
         n += out["usage"]["completion_tokens"]
     prof.disable()
-    report("one at a time", wall := time.perf_counter() - t0, timer, n, prof, a.top)
-    del wall
+    report("one at a time", time.perf_counter() - t0, timer, n, prof, a.top)
 
 
 def report(label: str, wall: float, timer: DecodeTimer, n_tokens: int, prof: cProfile.Profile, top: int) -> None:
