@@ -62,7 +62,7 @@ def run_parallel(a) -> None:
     ]  # fmt: skip
     timer = DecodeTimer()
     prof = cProfile.Profile()
-    t0 = time.perf_counter()
+    t0, cpu = time.perf_counter(), time.process_time()
     prof.enable()
     waiting = list(gens)
     while waiting or pool.active:
@@ -76,8 +76,8 @@ def run_parallel(a) -> None:
                 pool.start(g)
         pool.step()
     prof.disable()
-    wall = time.perf_counter() - t0
-    report("parallel", wall, timer, sum(len(g.tokens) for g in gens), prof, a.top)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu
+    report("parallel", wall, cpu, timer, sum(len(g.tokens) for g in gens), prof, a.top)
 
 
 def run_serial(a) -> None:
@@ -88,20 +88,22 @@ def run_serial(a) -> None:
     timer = DecodeTimer()
     prof = cProfile.Profile()
     n = 0
-    t0 = time.perf_counter()
+    t0, cpu = time.perf_counter(), time.process_time()
     prof.enable()
     for p in prompts(a.requests):
         out = llm.create_completion(p, max_tokens=a.max_tokens, temperature=0)
         n += out["usage"]["completion_tokens"]
     prof.disable()
-    report("one at a time", time.perf_counter() - t0, timer, n, prof, a.top)
+    report("one at a time", time.perf_counter() - t0, time.process_time() - cpu, timer, n, prof, a.top)
 
 
-def report(label: str, wall: float, timer: DecodeTimer, n_tokens: int, prof: cProfile.Profile, top: int) -> None:
-    print(f"## {label}: {wall:.2f} s wall, {n_tokens} completion tokens, {n_tokens / wall:.1f} t/s")
+def report(label: str, wall: float, cpu: float, timer: DecodeTimer, n: int, prof: cProfile.Profile, top: int) -> None:
+    print(f"## {label}: {wall:.2f} s wall, {cpu:.2f} s CPU, {n} completion tokens, {n / wall:.1f} t/s")
     print(f"llama_decode {timer.seconds:.2f} s ({100 * timer.seconds / wall:.0f}%) in {timer.calls} calls, "
           f"{timer.tokens} tokens; the rest {wall - timer.seconds:.2f} s")  # fmt: skip
-    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(prof, stream=sys.stdout)
+    stats.sort_stats("cumulative").print_stats(r"engine.py.*\((decode|decode_batch)\)")  # prompts / steps
+    stats.sort_stats("tottime").print_stats(top)
 
 
 def main() -> None:
