@@ -2,7 +2,8 @@
 
 The scheduler loop of the parallel server (``ParallelRunner._loop`` without its threads) and the one-at-a-time
 server's ``Llama.create_completion`` run the same requests (GPL-3 excerpts of 150 words, greedy, ``max_tokens``);
-llama_decode is timed by wrapping it, the rest is split by cProfile. Prints the split of each.
+llama_decode is timed by wrapping it, the rest is split by cProfile, both in CPU seconds of the process (with one
+engine thread: the work itself, which the load of a shared machine does not stretch). Prints the split of each.
 
     python benchmarks/profile_parallel.py [MODEL] [--parallel 4] [--requests 8] [--max-tokens 64] [--budget 128]
                                           [--threads 1] [--serial] [--top 25]
@@ -28,7 +29,7 @@ TEXT = Path("/usr/share/common-licenses/GPL-3").read_text()
 
 
 class DecodeTimer:
-    """Wraps llama_cpp.llama_decode (the package's and the module's binding): seconds, calls and tokens."""
+    """Wraps llama_cpp.llama_decode (the package's and the module's binding): CPU seconds, calls and tokens."""
 
     def __init__(self) -> None:
         import llama_cpp
@@ -38,9 +39,9 @@ class DecodeTimer:
         self._orig = low.llama_decode
 
         def timed(ctx, batch):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             rc = self._orig(ctx, batch)
-            self.seconds += time.perf_counter() - t0
+            self.seconds += time.process_time() - t0
             self.calls += 1
             self.tokens += batch.n_tokens
             return rc
@@ -68,7 +69,7 @@ def run_parallel(a) -> None:
         for p in prompts(a.requests)
     ]  # fmt: skip
     timer = DecodeTimer()
-    prof = cProfile.Profile()
+    prof = cProfile.Profile(time.process_time)
     t0, cpu = time.perf_counter(), time.process_time()
     prof.enable()
     waiting = list(gens)
@@ -93,7 +94,7 @@ def run_serial(a) -> None:
     model = a.model or None
     llm = load_llama(model, None, a.budget, "ahakv", 4, 32, None, None, 1, a.threads, 0, None, reading="plain")
     timer = DecodeTimer()
-    prof = cProfile.Profile()
+    prof = cProfile.Profile(time.process_time)
     n = 0
     t0, cpu = time.perf_counter(), time.process_time()
     prof.enable()
@@ -187,8 +188,8 @@ def prompts_run(a) -> None:
 
 def report(label: str, wall: float, cpu: float, timer: DecodeTimer, n: int, prof: cProfile.Profile, top: int) -> None:
     print(f"## {label}: {wall:.2f} s wall, {cpu:.2f} s CPU, {n} completion tokens, {n / wall:.1f} t/s")
-    print(f"llama_decode {timer.seconds:.2f} s ({100 * timer.seconds / wall:.0f}%) in {timer.calls} calls, "
-          f"{timer.tokens} tokens; the rest {wall - timer.seconds:.2f} s")  # fmt: skip
+    print(f"llama_decode {timer.seconds:.2f} CPU s ({100 * timer.seconds / cpu:.0f}%) in {timer.calls} calls, "
+          f"{timer.tokens} tokens; the rest {cpu - timer.seconds:.2f} CPU s")  # fmt: skip
     stats = pstats.Stats(prof, stream=sys.stdout)
     stats.sort_stats("cumulative").print_stats(r"engine.py.*\((decode|decode_batch)\)")  # prompts / steps
     stats.sort_stats("tottime").print_stats(top)
