@@ -3,7 +3,8 @@
 The scheduler loop of the parallel server (``ParallelRunner._loop`` without its threads) and the one-at-a-time
 server's ``Llama.create_completion`` run the same requests (GPL-3 excerpts of 150 words, greedy, ``max_tokens``);
 llama_decode is timed by wrapping it, the rest is split by cProfile, both in CPU seconds of the process (with one
-engine thread: the work itself, which the load of a shared machine does not stretch). Prints the split of each.
+engine thread: the work itself, which the load of a shared machine stretches far less than wall time). Prints the
+split of each.
 
     python benchmarks/profile_parallel.py [MODEL] [--parallel 4] [--requests 8] [--max-tokens 64] [--budget 128]
                                           [--threads 1] [--serial] [--top 25]

@@ -5,8 +5,8 @@ requests (GPL-3 excerpts, greedy, ``max_tokens`` each, ``ignore`` of end tokens 
 text the model continues) are sent at once to one server, then to the other, ``--rounds`` times, the order
 alternating each round, so that a change in the machine's load meets both alike. Reported per server: wall time of
 a round, completion tokens/s over all requests, mean and max per-request latency, the server process's CPU seconds
-per round (user + system: with one thread, the work itself, which the load of a shared machine does not stretch),
-and the ratios parallel / one-at-a-time. Prints a markdown table and the command that made it.
+per round (user + system: with one thread, the work itself, which the load of a shared machine stretches far less
+than wall time), and the ratios parallel / one-at-a-time. Prints a markdown table and the command that made it.
 
     python benchmarks/serve_parallel.py [MODEL] [--parallel 4] [--requests 8] [--max-tokens 64] [--budget 128]
                                         [--threads 1] [--rounds 2]
