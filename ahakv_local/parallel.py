@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -200,8 +200,15 @@ class SequencePool:
         gen.emit(rest, reason)
 
     def _drop(self, seq: int) -> None:
+        """Free the slot and its cells at once: every row of a unified KV stream attends over the span of all
+        the cells in use (masked to its own), so cells a finished request left behind would make every later
+        prompt and step of the others pay for them. The slot's figures stay those of its last request."""
         self.active.pop(seq, None)
         self.next_token.pop(seq, None)
+        ctl = self.controllers[seq]
+        figures = replace(ctl.stats)
+        ctl.truncate(0)
+        ctl.stats = figures
 
     # -- figures -------------------------------------------------------------------------------------------
 

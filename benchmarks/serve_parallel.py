@@ -1,10 +1,12 @@
 """Throughput of `ahakv-local serve --parallel N` against the one-at-a-time server, on the same 8 concurrent requests.
 
-Each server runs as its own process (Gemma 3 270M by default, a cell budget, AhaKV); 8 completion requests (GPL-3
-excerpts, greedy, ``max_tokens`` each, ``ignore`` of end tokens is not available, so the prompts are text the model
-continues) are sent at once, ``--rounds`` times; reported per server: wall time of a round, completion tokens/s over
-all requests, mean and max per-request latency, and the ratio parallel / one-at-a-time. Prints a markdown table and
-the command that made it.
+Both servers run at once, each as its own process (Gemma 3 270M by default, a cell budget, AhaKV); 8 completion
+requests (GPL-3 excerpts, greedy, ``max_tokens`` each, ``ignore`` of end tokens is not available, so the prompts are
+text the model continues) are sent at once to one server, then to the other, ``--rounds`` times, the order
+alternating each round, so that a change in the machine's load meets both alike. Reported per server: wall time of
+a round, completion tokens/s over all requests, mean and max per-request latency, the server process's CPU seconds
+per round (user + system: with one thread, the work itself, which the load of a shared machine stretches far less
+than wall time), and the ratios parallel / one-at-a-time. Prints a markdown table and the command that made it.
 
     python benchmarks/serve_parallel.py [MODEL] [--parallel 4] [--requests 8] [--max-tokens 64] [--budget 128]
                                         [--threads 1] [--rounds 2]
@@ -143,28 +145,49 @@ def main() -> None:
         engine_run(a)
         return
     common = ["--budget", a.budget, "--threads", str(a.threads), "--reading", "plain"]
-    rows = {}
-    for label, extra in (("one at a time", []), (f"--parallel {a.parallel}", ["--parallel", str(a.parallel)])):
-        proc, base = start(a.model, common + extra)
-        try:
+    labels = ("one at a time", f"--parallel {a.parallel}")
+    servers = {}
+    try:
+        for label, extra in zip(labels, ([], ["--parallel", str(a.parallel)]), strict=True):
+            servers[label] = start(a.model, common + extra)
+        for _, base in servers.values():
             one_round(base, 2, 4)  # warm up
-            rounds = [one_round(base, a.requests, a.max_tokens) for _ in range(a.rounds)]
-        finally:
+        runs: dict[str, list] = {label: [] for label in labels}
+        for r in range(a.rounds):
+            for label in labels if r % 2 == 0 else labels[::-1]:
+                proc, base = servers[label]
+                cpu = cpu_seconds(proc.pid)
+                wall, tokens, lat = one_round(base, a.requests, a.max_tokens)
+                runs[label].append((wall, tokens, lat, cpu_seconds(proc.pid) - cpu))
+                print(f"round {r} {label}: {wall:.1f} s, {tokens} tokens, load {os.getloadavg()[0]:.1f}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        for proc, _ in servers.values():
             proc.terminate()
             proc.wait()
+    rows = {}
+    for label, rounds in runs.items():
         wall = sum(r[0] for r in rounds)
         tokens = sum(r[1] for r in rounds)
         lat = [x for r in rounds for x in r[2]]
-        rows[label] = (wall / a.rounds, tokens / wall, sum(lat) / len(lat), max(lat), tokens // a.rounds)
-        print(f"{label}: {rows[label]}", file=sys.stderr, flush=True)
+        cpu = sum(r[3] for r in rounds)
+        n = a.rounds
+        rows[label] = (wall / n, tokens / wall, sum(lat) / len(lat), max(lat), cpu / n, tokens // n)
     (_, serial), (_, par) = rows.items()
     print(f"`python benchmarks/serve_parallel.py {' '.join(sys.argv[1:])}` on {os.cpu_count()} cores, load "
           f"{os.getloadavg()[0]:.1f} at the end\n")  # fmt: skip
-    print("| server | round wall s | completion tokens/s | mean latency s | max latency s | tokens per round |")
-    print("|---|---|---|---|---|---|")
-    for label, (wall, tps, mean, worst, n) in rows.items():
-        print(f"| {label} | {wall:.1f} | {tps:.1f} | {mean:.1f} | {worst:.1f} | {n} |")
-    print(f"\nthroughput ratio: {par[1] / serial[1]:.2f}x; mean latency ratio: {par[2] / serial[2]:.2f}x")
+    print("| server | round wall s | completion tokens/s | mean latency s | max latency s | CPU s per round | "
+          "tokens per round |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    for label, (wall, tps, mean, worst, cpu, n) in rows.items():
+        print(f"| {label} | {wall:.1f} | {tps:.1f} | {mean:.1f} | {worst:.1f} | {cpu:.1f} | {n} |")
+    print(f"\nthroughput ratio: {par[1] / serial[1]:.2f}x (by CPU seconds: {serial[4] / par[4]:.2f}x); "
+          f"mean latency ratio: {par[2] / serial[2]:.2f}x")  # fmt: skip
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

@@ -143,6 +143,31 @@ def test_the_dropin_keeps_the_summed_steps_between_calls(fixture_model, license_
         np.testing.assert_array_equal(llm.kv_controller.live, reference)
 
 
+def test_a_finished_request_frees_its_cells_at_once(fixture_model, license_text):
+    """A request that ends leaves no cell behind (every row of the unified stream attends over the span of all
+    cells in use, so a finished request's cells would slow every other sequence), while its slot's figures stay
+    those of its request; the sequence still running keeps exactly its own cells."""
+    spec = SessionSpec.bounded("h2o", 48, n_recent=8, reading="plain")
+    cells = SequencePool.context_cells(spec.budget, 2, CHUNK, 0)
+    with Engine(fixture_model, EngineConfig(n_ctx=cells, n_batch=CHUNK, n_ubatch=CHUNK, n_seq=2)) as e:
+        pool = SequencePool(e, spec)
+        tokens = e.tokenize(license_text)
+        ends: list = []
+        short = Generation(tokens[:90], Sampling(max_tokens=3, temperature=0), lambda t, f: f and ends.append(f))
+        long = Generation(tokens[90:200], Sampling(max_tokens=30, temperature=0), lambda t, f: None)
+        assert (pool.start(short), pool.start(long)) == (0, 1)
+        while 0 in pool.active:
+            pool.step()
+        assert ends == ["length"] and len(short.tokens) == 3
+        assert not (pool.views[0].cell_positions() >= 0).any()  # slot 0 holds no cell
+        np.testing.assert_array_equal(pool.views[1].live_positions(), pool.controllers[1].live)
+        assert e.n_used() == pool.controllers[1].live.size  # every used cell of the stream is slot 1's
+        figures = pool.stats()["sequences"][0]
+        # the request's own figures: its prompt and every generated token but the last (sampled, never decoded)
+        assert not figures["active"] and figures["tokens_seen"] == 90 + 3 - 1
+        assert figures["evicted"] == figures["tokens_seen"] - figures["cells_used"] > 0
+
+
 # -- the server ------------------------------------------------------------------------------------------------
 
 BUDGETS = [48, 56, 64, 72, 80, 88, 96, None]  # None: the server's (96)
