@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None, help="engine threads (default: every core)")
     args = ap.parse_args()
     variants = json.loads(args.variants)
     factors = [float(c) for c in args.compressions.split(",")]
@@ -44,7 +45,14 @@ def main() -> None:
     start = time.time()
     depths = [float(d) for d in args.depths.split(",")]
     trials = run_longdoc(
-        default_model_path(), rule, args.tasks.split(","), [args.length], depths, filler_texts=texts, seed=args.seed
+        default_model_path(),
+        rule,
+        args.tasks.split(","),
+        [args.length],
+        depths,
+        filler_texts=texts,
+        seed=args.seed,
+        n_threads=args.threads,
     )
     scores: dict[str, list[float]] = {}
     for t in trials:
