@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--step", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None, help="engine threads (default: every core)")
     args = ap.parse_args()
     model = default_model_path()
     with Engine(model, EngineConfig(n_ctx=64)) as e:
@@ -34,7 +35,7 @@ def main() -> None:
         for label, (policy, params) in json.loads(args.variants).items()
     ]
     start = time.time()
-    results = evaluate(model, tokens, specs, step=args.step)
+    results = evaluate(model, tokens, specs, step=args.step, n_threads=args.threads)
     print(f"{Path(args.text).name}, {len(tokens)} tokens, budget {args.budget}, step {args.step}")
     print("| variant | ppl | mean KL | top-1 |\n|---|---:|---:|---:|")
     for label, r in results.items():
