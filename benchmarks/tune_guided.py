@@ -1,7 +1,7 @@
 """Tune a policy's guided reading on filler texts the reports do not use (GFDL-1.3, LGPL-2.1, MPL-1.1: the
 RESULTS tables read GPL-3), so that what is tuned here is judged there on text it never saw.
 
-    python benchmarks/tune_guided.py '{"aha": ["ahakv", {}], "aha-k7": ["ahakv", {"query_kernel": 7}],
+    python benchmarks/tune_guided.py '{"aha": ["ahakv", {}], "aha-r1": ["ahakv", {"read_kernel": 1}],
         "snap": ["snapkv", {}]}' --compressions 4 --tasks single
 
 prints, per variant and compression, the mean score and one digit per item (1 = solved).

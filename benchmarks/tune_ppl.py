@@ -1,7 +1,7 @@
 """Perplexity and KL from the full cache of policy variants on a tuning text (not GPL-3 or MPL-1.1, which the
 RESULTS tables read), so that a setting tuned for one task is checked for what it costs in perplexity.
 
-    python benchmarks/tune_ppl.py '{"aha": ["ahakv", {}], "aha-sk7": ["ahakv", {"score_kernel": 7}]}' \
+    python benchmarks/tune_ppl.py '{"aha": ["ahakv", {}], "aha-r16": ["ahakv", {"r": 16}]}' \
         --text /usr/share/common-licenses/GFDL-1.3 --tokens 2048 --budget 256 --step 16
 """
 
