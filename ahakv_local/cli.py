@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .cli_eval import n_gpu_layers_option, rpc_option
+from .cli_eval import n_gpu_layers_option, rpc_option, threads_option
 from .errors import AhakvError
 from .extras import require
 
@@ -135,7 +135,7 @@ def engine_options(f):
             envvar="AHAKV_OBSERVE_STEPS",
             help="Steps before each eviction whose full statistics the policy reads (0 = every step).",
         ),
-        click.option("-t", "--threads", type=Positive, default=None, envvar="AHAKV_THREADS", help="CPU threads."),
+        threads_option,
         n_gpu_layers_option("Layers to offload to the GPU."),
         rpc_option,
         click.option(

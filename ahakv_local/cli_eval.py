@@ -23,6 +23,14 @@ def rpc_option(f):
     return click.option("--rpc", default=None, metavar="HOST:PORT,...", envvar="AHAKV_RPC", help=OPTION_HELP)(f)
 
 
+def threads_option(f):
+    """-t / AHAKV_THREADS: CPU threads of the engine (default: every core; on a machine shared with other jobs,
+    1 avoids the thread barriers' spinning)."""
+    return click.option(
+        "-t", "--threads", type=click.IntRange(min=1), default=None, envvar="AHAKV_THREADS", help="CPU threads."
+    )(f)
+
+
 def n_gpu_layers_option(help: str):
     """-ngl / AHAKV_N_GPU_LAYERS: layers to offload (-1: all)."""
     return click.option(
@@ -254,9 +262,10 @@ def eval_needle(
 @click.option("--recent", default=32, show_default=True)
 @click.option("--out", "out_dir", default="longdoc-out", show_default=True, help="Folder for the outputs.")
 @rpc_option
+@threads_option
 def eval_longdoc(
     model, tasks, lengths, depths, compressions, policies, reading, trials, seed, filler_files, sinks, recent, out_dir,
-    rpc,
+    rpc, threads,
 ) -> None:  # fmt: skip
     """Long documents (RULER-style, generated locally): retrieval, multi-key, multi-value, variable tracking
     and a fact, per policy, compression and reading mode, beside the full cache."""
@@ -309,11 +318,13 @@ def eval_longdoc(
                 filler_texts=texts,
                 progress=lambda done, total: bar.update(done - bar.n),
                 rpc_servers=rpc_servers,
+                n_threads=threads,
             )
         except ValueError as exc:
             raise AhakvError(str(exc)) from None
     settings = dict(tasks=task_list, lengths=lens, depths=deps, compressions=factors, readings=readings,
-                    trials=trials, seed=seed, sinks=sinks, recent=recent, filler_files=files)  # fmt: skip
+                    trials=trials, seed=seed, sinks=sinks, recent=recent, filler_files=files,
+                    threads=threads)  # fmt: skip
     filler = files[0] + (f" (then {len(files) - 1} more texts as a length needs)" if len(files) > 1 else "")
     for line in write_longdoc_report(Path(out_dir), results, path, filler, settings):
         click.echo(line)

@@ -160,19 +160,28 @@ class KVController:
         is known: every chunk is scored by how much a repetition of it attends to each position."""
         chunk = chunk or self.engine.config.n_ubatch
         use_query = bool(query) and self.policy.reads_with_query
+        self._reading(use_query)
         rows = []
-        for i in range(0, len(tokens), chunk):
-            piece = tokens[i : i + chunk]
-            rows.append(self._decode(piece, self.policy.window, all_logits))
-            if isinstance(query, Reconstruct) and use_query:
-                again = [*query.prompt, *piece]
-                self.evict(self._reconstruction_scores(again) if self._has_room(len(again)) else None)
-                continue
-            last = ends_prompt and i + chunk >= len(tokens)
-            guided = use_query and not last and self._over_budget()
-            tail = self._fitting_tail(query) if guided else []
-            self.evict(self.read_query(tail) if tail else None)
+        try:
+            for i in range(0, len(tokens), chunk):
+                piece = tokens[i : i + chunk]
+                rows.append(self._decode(piece, self.policy.window, all_logits))
+                if isinstance(query, Reconstruct) and use_query:
+                    again = [*query.prompt, *piece]
+                    self.evict(self._reconstruction_scores(again) if self._has_room(len(again)) else None)
+                    continue
+                last = ends_prompt and i + chunk >= len(tokens)
+                guided = use_query and not last and self._over_budget()
+                tail = self._fitting_tail(query) if guided else []
+                self.evict(self.read_query(tail) if tail else None)
+        finally:
+            self._reading(False)
         return np.concatenate(rows) if all_logits else rows[-1]
+
+    def _reading(self, guided: bool) -> None:
+        """Tell every group's policy whether a prompt is being read under guidance (``Policy.reading``)."""
+        for g in self.groups:
+            g.policy.reading(guided)
 
     def _reconstruction_scores(self, query: list[int]) -> list[np.ndarray]:
         """Score this pass, remember each position's best (scaled to mean 1 per pass) in every group, return

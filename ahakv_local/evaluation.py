@@ -161,13 +161,19 @@ class _Run:
 
 
 def _open(
-    model: Path, n_tokens: int, spec: SessionSpec, n_ubatch: int, step: int = 1, rpc_servers: tuple[str, ...] = ()
+    model: Path,
+    n_tokens: int,
+    spec: SessionSpec,
+    n_ubatch: int,
+    step: int = 1,
+    rpc_servers: tuple[str, ...] = (),
+    n_threads: int | None = None,
 ) -> _Run:
     # token by token: the spec's schedule (the product's by default); in steps of several tokens, an
     # eviction after each that leaves room for the next, so no step ever holds more than the budget
     if step > 1:
         spec = replace(spec, evict_every=step, observe_steps=1)
-    return _Run(open_session(model, spec, n_tokens, n_ubatch, rpc_servers=rpc_servers))
+    return _Run(open_session(model, spec, n_tokens, n_ubatch, rpc_servers=rpc_servers, n_threads=n_threads))
 
 
 def _nll(logp: np.ndarray, targets: list[int]) -> list[float]:
@@ -208,6 +214,7 @@ def evaluate(
     progress: Callable[[int, int], None] = lambda done, total: None,
     store_dir: str | Path | None = None,
     rpc_servers: tuple[str, ...] = (),
+    n_threads: int | None = None,
 ) -> dict[str, PplResult]:
     """Streaming perplexity, KL from the full cache and top-1 agreement for each spec, by its label, plus
     the full cache itself under the label "full".
@@ -218,7 +225,7 @@ def evaluate(
     rows in a ``LogProbStore`` (a temporary file in ``store_dir``, default the system's); then each
     configuration runs alone, and its engine is closed before the next opens. ``progress`` counts
     tokens over all runs: (done, len(tokens) * (len(specs) + 1)). ``rpc_servers``: llama.cpp RPC workers
-    that hold the layers of every run."""
+    that hold the layers of every run; ``n_threads``: the engines' CPU threads (None: every core)."""
     if not 1 <= step <= n_ubatch:
         raise ValueError(f"step must be between 1 and n_ubatch ({n_ubatch})")
     labels = [spec.label for spec in specs]
@@ -230,7 +237,7 @@ def evaluate(
     store: LogProbStore | None = None
     try:
         for k, spec in enumerate(runs):
-            run = _open(model, len(tokens), spec, n_ubatch, step, rpc_servers)
+            run = _open(model, len(tokens), spec, n_ubatch, step, rpc_servers, n_threads)
             try:
                 if k == 0 and specs:
                     store = LogProbStore(run.session.engine.n_vocab, store_dir)

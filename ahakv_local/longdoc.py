@@ -306,11 +306,12 @@ def run_longdoc(
     filler_texts: Sequence[str] | None = None,
     progress: Callable[[int, int], None] = lambda done, total: None,
     rpc_servers: tuple[str, ...] = (),
+    n_threads: int | None = None,
 ) -> list[LongdocTrial]:
     """Every spec of each length on every task x depth x trial at that length (the full cache is
     ``SessionSpec()``; ``specs`` maps a length to its specs, or is a rule such as ``specs_rule``). One engine
     per spec and length; every item starts from an empty cache. ``answer_tokens``: None = per task.
-    ``rpc_servers``: llama.cpp RPC workers that hold the layers."""
+    ``rpc_servers``: llama.cpp RPC workers that hold the layers; ``n_threads``: the engine's (None: every core)."""
     for task in tasks:
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
@@ -323,7 +324,9 @@ def run_longdoc(
     for length in lengths:
         items = None
         for spec in spec_list[length]:
-            with open_session(model, spec, length + most, n_ubatch, rpc_servers=rpc_servers) as session:
+            with open_session(
+                model, spec, length + most, n_ubatch, rpc_servers=rpc_servers, n_threads=n_threads
+            ) as session:
                 engine = session.engine
                 if items is None:  # tokenization is the model's, whatever the spec
                     items = make_items(engine, Filler(engine, filler_texts), tasks, length, depths, trials, seed)

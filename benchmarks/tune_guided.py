@@ -1,7 +1,7 @@
 """Tune a policy's guided reading on filler texts the reports do not use (GFDL-1.3, LGPL-2.1, MPL-1.1: the
 RESULTS tables read GPL-3), so that what is tuned here is judged there on text it never saw.
 
-    python benchmarks/tune_guided.py '{"aha": ["ahakv", {}], "aha-k7": ["ahakv", {"query_kernel": 7}],
+    python benchmarks/tune_guided.py '{"aha": ["ahakv", {}], "aha-r1": ["ahakv", {"read_kernel": 1}],
         "snap": ["snapkv", {}]}' --compressions 4 --tasks single
 
 prints, per variant and compression, the mean score and one digit per item (1 = solved).
@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None, help="engine threads (default: every core)")
     args = ap.parse_args()
     variants = json.loads(args.variants)
     factors = [float(c) for c in args.compressions.split(",")]
@@ -44,7 +45,14 @@ def main() -> None:
     start = time.time()
     depths = [float(d) for d in args.depths.split(",")]
     trials = run_longdoc(
-        default_model_path(), rule, args.tasks.split(","), [args.length], depths, filler_texts=texts, seed=args.seed
+        default_model_path(),
+        rule,
+        args.tasks.split(","),
+        [args.length],
+        depths,
+        filler_texts=texts,
+        seed=args.seed,
+        n_threads=args.threads,
     )
     scores: dict[str, list[float]] = {}
     for t in trials:

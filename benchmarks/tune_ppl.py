@@ -1,7 +1,7 @@
 """Perplexity and KL from the full cache of policy variants on a tuning text (not GPL-3 or MPL-1.1, which the
 RESULTS tables read), so that a setting tuned for one task is checked for what it costs in perplexity.
 
-    python benchmarks/tune_ppl.py '{"aha": ["ahakv", {}], "aha-sk7": ["ahakv", {"score_kernel": 7}]}' \
+    python benchmarks/tune_ppl.py '{"aha": ["ahakv", {}], "aha-r16": ["ahakv", {"r": 16}]}' \
         --text /usr/share/common-licenses/GFDL-1.3 --tokens 2048 --budget 256 --step 16
 """
 
@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--step", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None, help="engine threads (default: every core)")
     args = ap.parse_args()
     model = default_model_path()
     with Engine(model, EngineConfig(n_ctx=64)) as e:
@@ -34,7 +35,7 @@ def main() -> None:
         for label, (policy, params) in json.loads(args.variants).items()
     ]
     start = time.time()
-    results = evaluate(model, tokens, specs, step=args.step)
+    results = evaluate(model, tokens, specs, step=args.step, n_threads=args.threads)
     print(f"{Path(args.text).name}, {len(tokens)} tokens, budget {args.budget}, step {args.step}")
     print("| variant | ppl | mean KL | top-1 |\n|---|---:|---:|---:|")
     for label, r in results.items():

@@ -5,7 +5,9 @@ Fixture: the random-weight gemma3 GGUF (ahakv_local/fixture.py): layer 0 slides 
 cache), layer 1 attends to everything (the base cache); F16 K/V of 2 heads x 16 dims: 128 bytes per cell per
 layer. The single-pool controller's decisions before layer groups existed are recorded in
 tests/data/shared_decisions.json (tests/record_shared_decisions.py, run at commit 34d0fbf): ``shared`` must
-replay them exactly.
+replay them exactly. The two ahakv/query runs were recorded again when AhaKV's guided reading changed (question
+scored by its pooled attention, running score pooled while the prompt is read; the unguided runs were replayed
+unchanged by that code).
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ def test_eval_longdoc_command_writes_every_output(fixture_model, tmp_path):
     proc = longdoc(
         str(fixture_model), "--lengths", "300,400", "--tasks", "single,multikey", "--depths", "0.5",
         "--compressions", "4", "--policies", "h2o,ahakv", "--reading", "plain,query", "--recent", "8",
-        "--out", str(out),
+        "-t", "1", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     data = json.loads((out / "results.json").read_text())
@@ -199,6 +199,7 @@ def test_eval_longdoc_command_writes_every_output(fixture_model, tmp_path):
     assert all(0 <= r["score"] <= 1 and r["solved"] == (r["score"] == 1) for r in rows)
     assert all(re.fullmatch(r"\d{5}", r["expected"]) and r["prompt_seconds"] > 0 for r in rows)
     assert data["config"]["model_sha256"] and data["config"]["tasks"] == ["single", "multikey"]
+    assert data["config"]["threads"] == 1
     assert (out / "results.csv").read_text().count("\n") == len(rows) + 1 == 17
     md = (out / "results.md").read_text()
     assert "| configuration | single 300 | single 400 | multikey 300 | multikey 400 | average |" in md

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -199,52 +198,46 @@ def test_unknown_policy_is_a_clear_error():
         make_policy("h3o")
 
 
-def test_ahakv_question_scored_by_its_plain_attention():
-    """query_mass="attention": the question's rows count by what they look at (FINCH/SnapKV), pooled over
-    query_kernel neighbours; the running score joins with query_own_share, each scaled to mean 1."""
-    obs = synthetic_steps(steps=1)[0]
-    p = make_policy("ahakv", query_mass="attention", query_kernel=3, query_own_share=0.25, holistic_weights=False)
-    raw = np.array([visible_mean(obs.attn, j) for j in range(N)])
-    pooled = np.array([raw[max(0, j - 1) : j + 2].mean() for j in range(N)])
-    got = p.query_score(obs)
-    np.testing.assert_allclose(got, pooled, rtol=POLICY_RTOL)
-    own = np.arange(1.0, N + 1)
-    np.testing.assert_allclose(
-        p.with_query(own, got), pooled / pooled.mean() + 0.25 * own / own.mean(), rtol=POLICY_RTOL
-    )
-    with pytest.raises(ValueError, match="query_mass"):
-        make_policy("ahakv", query_mass="loud").query_score(obs)
-
-
-def test_ahakv_question_heads_weighted_by_their_focus_without_the_sinks():
-    """query_weights="question": each head counts by its focus over the question's own attention, 1 - H/log n
-    (clipped to [0.05, 1], mean 1), the first 4 positions (attention sinks) left out of the focus."""
-    obs = synthetic_steps(steps=1)[0]
-    obs = dataclasses.replace(obs, positions=np.arange(N))  # positions 0..3 are now sinks
-    p = make_policy("ahakv", query_mass="attention", query_weights="question")
-    focus = np.zeros((L, H))
-    for li in range(L):
-        seen = [j for j in range(N) if VISIBLE[li, j] and j >= 4]
-        for h in range(H):
-            q = np.array([obs.attn[li, h, j] for j in seen], dtype=float)
-            q /= q.sum()
-            focus[li, h] = min(1.0, max(0.05, 1 + (q * np.log(q)).sum() / math.log(len(seen))))
-    w = focus / focus.mean()
-    expected = []
+def test_ahakv_question_scored_by_its_pooled_attention_with_the_learned_head_weights():
+    """A question's rows count by what they look at (FINCH/SnapKV): per row, the mean over the layers and heads
+    that see position j of w(h, l) * attention (w: the running head focus, mean 1), pooled over query_kernel
+    neighbours; joined with half the running score, each scaled to mean 1 (Policy.with_query)."""
+    steps = synthetic_steps(steps=2)
+    p = make_policy("ahakv", query_kernel=3)
+    p.observe(steps[0])
+    obs = steps[1]
+    w = p.weights / p.weights.mean()
+    raw = []
     for j in range(N):
         pairs = [(li, h) for li in range(L) for h in range(H) if VISIBLE[li, j]]
-        expected.append(sum(w[li, h] * obs.attn[li, h, j] for li, h in pairs) / sum(w[li, h] for li, h in pairs))
-    np.testing.assert_allclose(p.query_score(obs), expected, rtol=POLICY_RTOL)
-    with pytest.raises(ValueError, match="query_weights"):
-        make_policy("ahakv", query_weights="loud").query_score(obs)
+        raw.append(sum(w[li, h] * obs.attn[li, h, j] for li, h in pairs) / sum(w[li, h] for li, h in pairs))
+    raw = np.array(raw) / obs.n_rows
+    pooled = np.array([raw[max(0, j - 1) : j + 2].mean() for j in range(N)])
+    before = (p.weights.copy(), p.ring.get(obs.positions).copy())
+    got = p.query_score(obs)
+    np.testing.assert_allclose(got, pooled, rtol=POLICY_RTOL)
+    assert np.array_equal(p.weights, before[0]) and np.array_equal(p.ring.get(obs.positions), before[1])
+    own = np.arange(1.0, N + 1)
+    np.testing.assert_allclose(
+        p.with_query(own, got), pooled / pooled.mean() + 0.5 * own / own.mean(), rtol=POLICY_RTOL
+    )
 
 
-def test_ahakv_score_kernel_pools_the_running_score():
+def test_ahakv_pools_its_running_score_only_in_a_guided_reading():
+    """The rule: while a guided prompt (and its answer) is read, AhaKV's keep-score of position j is the mean of
+    its per-token running score over positions j-3 .. j+3 that exist (read_kernel 7); in any other reading, the
+    per-token score itself (the paper's). Both computed here from the per-token score by hand."""
     steps = synthetic_steps(steps=2)
-    plain, pooled = make_policy("ahakv"), make_policy("ahakv", score_kernel=3)
+    p = make_policy("ahakv")
     for obs in steps:
-        plain.observe(obs)
-        pooled.observe(obs)
-    s = plain.score(steps[-1])
-    expected = [s[max(0, j - 1) : j + 2].mean() for j in range(N)]
-    np.testing.assert_allclose(pooled.score(steps[-1]), expected, rtol=POLICY_RTOL)
+        p.observe(obs)
+    per_token = p.ring.get(steps[-1].positions)
+    assert np.array_equal(p.score(steps[-1]), per_token)  # a fresh policy reads plainly
+    p.reading(True)
+    expected = [per_token[max(0, j - 3) : j + 4].mean() for j in range(N)]
+    np.testing.assert_allclose(p.score(steps[-1]), expected, rtol=POLICY_RTOL)
+    assert not np.allclose(expected, per_token)  # the pooling changes the scores of this input
+    p.reading(False)
+    assert np.array_equal(p.score(steps[-1]), per_token)
+    p.reading(True)
+    assert not p.fresh()._guided  # a sequence read from the start is plain until told otherwise

@@ -102,6 +102,48 @@ def test_a_policy_that_cannot_be_guided_reads_plainly(fixture_model, license_tex
         assert Reconstruct  # the reconstruct mode is refused the same way (prefill checks reads_with_query)
 
 
+def kernels_of(policy) -> list[int]:
+    """Wrap ``policy.score``: each call records 7 if it returned the rule's pooled score (the mean of the
+    per-token running score over positions j-3 .. j+3 that exist, written out here), 1 if the per-token score
+    itself. Exact up to the summation order of the pooling (a few F64 ulps of the largest score)."""
+    calls: list[int] = []
+    real = policy.score
+
+    def score(obs):
+        out, per = real(obs), policy.ring.get(obs.positions)
+        pooled = np.array([per[max(0, j - 3) : j + 4].mean() for j in range(per.size)])
+        assert not np.allclose(pooled, per)  # a real text's scores: the two rules differ
+        calls.append(7 if np.allclose(out, pooled, rtol=0, atol=64 * 2.0**-52 * per.max()) else 0)
+        calls[-1] = 1 if np.array_equal(out, per) else calls[-1]
+        return out
+
+    policy.score = score
+    return calls
+
+
+@pytest.mark.parametrize("reading", ["query", "reconstruct"])
+def test_ahakv_pools_its_score_while_a_guided_prompt_is_read_only(fixture_model, license_text, reading):
+    """Every eviction of a guided read (the unguided last chunk too) goes by the pooled running score; those of
+    the answer decoded after it, of a plain read after that, and of a fresh sequence, by the per-token one."""
+    prompt = tokens_of(fixture_model, license_text, 300)
+    spec = SessionSpec.bounded("ahakv", 96, n_recent=8, reading=reading, evict_every=4)
+    with open_session(fixture_model, spec, longest=len(prompt) + 160, n_ubatch=64) as s:
+        ctl, question = s.controller, s.engine.tokenize(QUESTION_TEXT, add_bos=False)
+        kernels = kernels_of(ctl.policy)
+        logits = s.read(prompt, question)
+        n_read = len(kernels)
+        assert n_read == len(range(0, len(prompt), 64)) and set(kernels) == {7}
+        s.answer(logits, 24)
+        assert len(kernels) > n_read and set(kernels[n_read:]) == {1}
+        n_answered = len(kernels)
+        ctl.prefill(prompt[:96])  # the conversation goes on without guidance
+        assert len(kernels) > n_answered and set(kernels[n_answered:]) == {1}
+        s.reset()
+        kernels = kernels_of(ctl.policy)
+        ctl.prefill(prompt)
+        assert kernels and set(kernels) == {1}
+
+
 def needle_kept(model, text, policy: str, reading: str) -> int:
     with open_session(model, SessionSpec.bounded(policy, 256, reading=reading), 2048 + 16, 64) as s:
         e = s.engine

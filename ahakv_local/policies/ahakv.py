@@ -30,9 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..native import TapFlag
-from .base import Observation, Policy, RecentSum, avg_pool, holistic_sum, kv_to_query_heads, unit_mean
-
-QUESTION_SINKS = 4  # the controller's default n_sink: positions a question's head weights leave out
+from .base import Observation, Policy, RecentSum, avg_pool, holistic_sum, kv_to_query_heads
 
 
 @dataclass
@@ -50,21 +48,18 @@ class AhaKV(Policy):
     holistic_weights: bool = True  # (b) adaptive w(h, l); off: uniform
     error_model: bool = True  # (c) relative distance ||v - o|| / ||o|| instead of the value prior
     weight_smoothing: float = 0.9
-    score_kernel: int = 1  # average-pool the running score over this many neighbours (1: per token, as the paper)
-    # guided reading: what the question's rows score ("error": as a decode step, below; "attention": their
-    # plain attention, as FINCH/SnapKV), pooled over ``query_kernel`` neighbours, and the share of the running
-    # score that still counts beside it
-    query_mass: str = "error"
-    query_kernel: int = 1
-    query_own_share: float = 0.5
-    # ... and its head weights: "learned" (the running w(h, l)), "uniform", or "question" (each head's focus
-    # over the question's own attention with the attention sinks left out: a head that looks at the sink is
-    # focused but says nothing about what the question asks)
-    query_weights: str = "learned"
+    # guided reading (a question or a reconstruction pass guides the compression of a long prompt): the
+    # question's plain attention (what it looks at, as FINCH/SnapKV) pooled over ``query_kernel`` neighbours,
+    # with the learned head weights; and, while such a prompt is read (``Policy.reading``), the running score
+    # pooled over ``read_kernel`` neighbours, so that a key's tokens stay together. Everywhere else the running
+    # score is per token (the paper's): pooled, it costs perplexity (benchmarks/COMPONENTS.md, issue 12)
+    query_kernel: int = 7
+    read_kernel: int = 7
 
     ring: RecentSum = field(init=False)
     weights: np.ndarray | None = field(default=None, init=False)
     _distance: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
+    _guided: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.ring = RecentSum(self.r)
@@ -146,41 +141,19 @@ class AhaKV(Policy):
         median = np.median(dist, axis=2, keepdims=True)
         return np.where(found[None, None, :], dist[:, :, idx], median)
 
-    def score(self, obs: Observation) -> np.ndarray:
-        return avg_pool(self.ring.get(obs.positions), self.score_kernel)
+    def reading(self, guided: bool) -> None:
+        self._guided = guided
 
-    @property
-    def query_flags(self) -> TapFlag:  # type: ignore[override]
-        return self.tap_flags(0)
+    def score(self, obs: Observation) -> np.ndarray:
+        return avg_pool(self.ring.get(obs.positions), self.read_kernel if self._guided else 1)
 
     def query_score(self, obs: Observation) -> np.ndarray:
-        """The question's rows, without touching the running state, over all layers and heads with the learned
-        head weights. "error": scored as a decode step is (sharpened attention times the relative distance
-        ||v - o|| / ||o|| of the question's outputs: what evicting a token would change in them); "attention":
-        their plain attention, what the question looks at."""
-        if self.query_mass == "attention":
-            mass = obs.attn
-        elif self.query_mass == "error":
-            mass = obs.side if self.sg_softmax and obs.side is not None else obs.attn
-            if self.error_model and obs.verr is not None and obs.vnorm is not None:
-                mass = mass * self._relative_distance(obs)
-            elif self.value_prior and obs.vnorm is not None:
-                mass = mass * self._value_prior(obs)
-        else:
-            raise ValueError(f"query_mass must be 'error' or 'attention', not {self.query_mass!r}")
+        """The question's rows, without touching the running state: their attention over all layers and heads
+        with the learned head weights (``holistic_sum``), per row, pooled over ``query_kernel`` neighbours."""
         w = None
-        if self.query_weights == "question":
-            focus = head_focus(obs.attn, obs.visible & (obs.positions >= QUESTION_SINKS)[None, :])
-            w = focus / focus.mean()
-        elif self.query_weights not in ("learned", "uniform"):
-            raise ValueError(f"query_weights must be 'learned', 'uniform' or 'question', not {self.query_weights!r}")
-        elif self.query_weights == "learned" and self.holistic_weights and self.weights is not None:
-            w = self.weights / self.weights.mean() if self.weights.shape == mass.shape[:2] else None
-        return avg_pool(holistic_sum(mass, obs.visible, w) / max(obs.n_rows, 1), self.query_kernel)
-
-    def with_query(self, own: np.ndarray, query: np.ndarray) -> np.ndarray:
-        """As every policy (``Policy.with_query``), with the running score's share a setting."""
-        return unit_mean(query) + self.query_own_share * unit_mean(own)
+        if self.holistic_weights and self.weights is not None and self.weights.shape == obs.attn.shape[:2]:
+            w = self.weights / self.weights.mean()
+        return avg_pool(holistic_sum(obs.attn, obs.visible, w) / max(obs.n_rows, 1), self.query_kernel)
 
     def truncate(self, n: int) -> None:
         self.ring.truncate(n)

@@ -128,6 +128,7 @@ class Policy:
     - ``supports_auto_budget``: it has ``predicted_error`` (the error model behind the 'auto' budget);
     - ``reads_with_query``: it can be guided by a question while a long prompt is read (``query_flags`` to
       tap over the question's rows, ``query_score(obs)`` from them, ``with_query`` to join its own score);
+    - ``reading(guided)``: whether a prompt is being read under guidance now (False again after it);
     - ``observe(obs)``: update running state after a decode call;
     - ``fresh()``: a new policy with the same settings and no state (a sequence read from the start);
       ``truncate(n)``: forget positions >= n (a rewind). A policy with state says how, explicitly.
@@ -166,6 +167,10 @@ class Policy:
         """The score to evict by when a question guides the reading: the question's attention, plus
         ``own_share`` of the policy's own score, each scaled to mean 1 (their units differ)."""
         return unit_mean(query) + self.own_share * unit_mean(own)
+
+    def reading(self, guided: bool) -> None:
+        """Told by the controller when it starts reading a prompt whether a question or a reconstruction guides
+        it, and told False when the read ends (``KVController.prefill``). Stateless: nothing."""
 
     def predicted_error(self, obs: Observation, order: np.ndarray) -> np.ndarray:
         """Predicted relative output change of evicting order[:k], for every k (auto budget only)."""
