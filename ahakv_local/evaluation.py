@@ -225,7 +225,8 @@ def evaluate(
     rows in a ``LogProbStore`` (a temporary file in ``store_dir``, default the system's); then each
     configuration runs alone, and its engine is closed before the next opens. ``progress`` counts
     tokens over all runs: (done, len(tokens) * (len(specs) + 1)). ``rpc_servers``: llama.cpp RPC workers
-    that hold the layers of every run; ``n_threads``: the engines' CPU threads (None: AHAKV_THREADS, else every core)."""
+    that hold the layers of every run; ``n_threads``: the engines' CPU threads (None: AHAKV_THREADS, else
+    every core)."""
     if not 1 <= step <= n_ubatch:
         raise ValueError(f"step must be between 1 and n_ubatch ({n_ubatch})")
     labels = [spec.label for spec in specs]
