@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from . import __version__
+from .budget import LAYER_BUDGETS
 from .cli_eval import n_gpu_layers_option, rpc_option, threads_option
 from .errors import AhakvError
 from .extras import require
@@ -98,7 +99,7 @@ def engine_options(f):
         ),
         click.option(
             "--layer-budgets",
-            type=click.Choice(["shared", "natural"]),
+            type=click.Choice(LAYER_BUDGETS),
             default="shared",
             show_default=True,
             envvar="AHAKV_LAYER_BUDGETS",

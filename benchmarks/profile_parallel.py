@@ -24,9 +24,8 @@ import cProfile
 import pstats
 import sys
 import time
-from pathlib import Path
 
-TEXT = Path("/usr/share/common-licenses/GPL-3").read_text()
+from serve_parallel import TEXT, add_workload_args, prompts  # benchmarks/ is the script's directory: sys.path[0]
 
 
 class DecodeTimer:
@@ -48,11 +47,6 @@ class DecodeTimer:
             return rc
 
         llama_cpp.llama_decode = low.llama_decode = timed
-
-
-def prompts(n: int) -> list[str]:
-    words = TEXT.split()
-    return [" ".join(words[200 * i : 200 * i + 150]) for i in range(n)]
 
 
 def run_parallel(a) -> None:
@@ -198,12 +192,7 @@ def report(label: str, wall: float, cpu: float, timer: DecodeTimer, n: int, prof
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", nargs="?", default="")
-    ap.add_argument("--parallel", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--budget", default="128")
-    ap.add_argument("--threads", type=int, default=1)
+    add_workload_args(ap)
     ap.add_argument("--serial", action="store_true", help="profile the one-at-a-time server's path instead")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--kernels", action="store_true", help="CPU ms of the decode calls the servers are made of")

@@ -32,6 +32,25 @@ from pathlib import Path
 TEXT = Path("/usr/share/common-licenses/GPL-3").read_text()
 
 
+def prompts(n: int) -> list[str]:
+    """The workload's n prompts: GPL-3 excerpts of 150 words, 200 words apart."""
+    words = TEXT.split()
+    return [" ".join(words[200 * i : 200 * i + 150]) for i in range(n)]
+
+
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload's options (profile_parallel.py measures the same one)."""
+    ap.add_argument("model", nargs="?", default="")
+    ap.add_argument("--parallel", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--budget", default="128")
+    # one thread: llama.cpp's threads spin at every graph node's barrier, which on 2 cores shared with other work
+    # costs more than the batch saves (measured: AhaKV batched 0.66x of single steps with 2 threads at load 9-11,
+    # 1.43x with 1 thread)
+    ap.add_argument("--threads", type=int, default=1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -67,14 +86,12 @@ def post(base: str, body: dict) -> dict:
 
 def one_round(base: str, n: int, max_tokens: int) -> tuple[float, int, list[float]]:
     """(wall seconds, completion tokens, per-request latencies) of n requests sent at once."""
-    words = TEXT.split()
+    texts = prompts(n)
     out: list = [None] * n
 
     def send(i: int) -> None:
         t0 = time.perf_counter()
-        body = post(
-            base, {"prompt": " ".join(words[200 * i : 200 * i + 150]), "max_tokens": max_tokens, "temperature": 0}
-        )
+        body = post(base, {"prompt": texts[i], "max_tokens": max_tokens, "temperature": 0})
         out[i] = (time.perf_counter() - t0, body["usage"]["completion_tokens"])
 
     t0 = time.perf_counter()
@@ -129,15 +146,7 @@ def engine_run(a) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", nargs="?", default="")
-    ap.add_argument("--parallel", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--budget", default="128")
-    # one thread: llama.cpp's threads spin at every graph node's barrier, which on 2 cores shared with other work
-    # costs more than the batch saves (measured: AhaKV batched 0.66x of single steps with 2 threads at load 9-11,
-    # 1.43x with 1 thread)
-    ap.add_argument("--threads", type=int, default=1)
+    add_workload_args(ap)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--engine", metavar="POLICY", help="measure step_batch against single steps in-process")
     a = ap.parse_args()
