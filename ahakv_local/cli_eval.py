@@ -63,13 +63,6 @@ def _read(path: str) -> str:
         raise AhakvError(f"cannot read {path}: {exc.strerror}") from None
 
 
-def _tokens(model: Path, text: str) -> list[int]:
-    from .engine import Engine, EngineConfig
-
-    with Engine(model, EngineConfig(n_ctx=256)) as e:
-        return e.tokenize(text)
-
-
 def _model(model: str | None) -> Path:
     from .models import resolve_model
     from .native import lib
@@ -147,14 +140,14 @@ def eval_ppl(
 ) -> None:  # fmt: skip
     """Streaming perplexity, KL from the full cache and top-1 agreement per policy and budget; for a model with a
     sliding-window cache also llama.cpp's own baseline, every position kept in a trimmed sliding cache."""
-    from .evaluation import TRIMMED, evaluate
+    from .evaluation import TRIMMED, evaluate, text_tokens
     from .info import read_info
     from .policies.ahakv import ABLATIONS
     from .report import write_ppl_report
 
     rpc_servers = _rpc(rpc)
     path = _model(model)
-    ids = _tokens(path, _read(text_file))[:tokens]
+    ids = text_tokens(path, _read(text_file))[:tokens]
     if len(ids) <= prefix + 1:
         raise AhakvError(f"{text_file} has only {len(ids)} tokens; need more than --prefix {prefix}")
     if not 1 <= step <= 64:
@@ -379,13 +372,14 @@ def bench_speed(
     sliding-window cache trimmed (swa_full off, as llama-server) and each policy at the same live cells; a long
     run to the trained context, full cache vs budget; KV memory of each, also at --memory-context tokens."""
     from .bench import BATCH, engine_speed_at_budget, long_run, memory_at, speed_at_budget
+    from .evaluation import text_tokens
     from .info import read_info
     from .report import write_speed_report
 
     path = _model(model)
     names = _policies(policies)
     files = list(text_files) or sorted(str(p) for p in LICENSES.iterdir() if not p.is_symlink())
-    ids = _tokens(path, "\n".join(_read(f) for f in files))
+    ids = text_tokens(path, "\n".join(_read(f) for f in files))
     from .budget import parse_schedule
 
     evict_every, observe = parse_schedule(evict_every, observe_steps)

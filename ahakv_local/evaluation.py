@@ -47,6 +47,14 @@ class PplResult:
     mean_share: float = 0.0  # live cells / tokens seen after each step past the prefix, averaged
 
 
+def text_tokens(model: Path, text: str) -> list[int]:
+    """``text`` as ``model``'s tokens (with BOS), read by a small throwaway context."""
+    from .engine import Engine, EngineConfig
+
+    with Engine(model, EngineConfig(n_ctx=256)) as e:
+        return e.tokenize(text)
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     z = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))

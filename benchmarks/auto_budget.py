@@ -14,13 +14,11 @@ with the command go to --out.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
-import sys
 from pathlib import Path
 
+from common import command_line, file_tokens, write_report  # benchmarks/ is the script's directory: sys.path[0]
+
 from ahakv_local.budget import Budget
-from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.evaluation import PplResult, evaluate
 from ahakv_local.models import default_model_path
 from ahakv_local.session import SessionSpec
@@ -50,11 +48,10 @@ def main() -> None:
     args = ap.parse_args()
     model = default_model_path()
     out = Path(args.out)
-    report = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "model": model.name,
+    report = {"command": command_line(), "model": model.name,
               "tokens": args.tokens, "step": args.step, "rows": []}  # fmt: skip
     for text in args.texts.split(","):
-        with Engine(model, EngineConfig(n_ctx=256)) as e:
-            tokens = e.tokenize(Path(text).read_text(encoding="utf-8"))[: args.tokens]
+        tokens = file_tokens(model, text, args.tokens)
         auto = evaluate(model, tokens, [SessionSpec.bounded("ahakv", "auto", label="auto")], step=args.step)
         report["rows"] += [row(text, "full", auto["full"]), row(text, "ahakv auto", auto["auto"])]
         # an eviction every `step` tokens goes step - 1 cells below a cell budget (room for the next step),
@@ -63,9 +60,7 @@ def main() -> None:
         specs = [SessionSpec.bounded(p, Budget("cells", cells), label=f"{p}@{cells}") for p in args.policies.split(",")]
         fixed = evaluate(model, tokens, specs, step=args.step)
         report["rows"] += [row(text, s.label, fixed[s.label]) for s in specs]
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1))
-        out.with_suffix(".md").write_text(table(report))
+        write_report(report, out, table(report))
         print(table(report), flush=True)
 
 

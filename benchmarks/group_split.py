@@ -13,12 +13,10 @@ Run on a tuning text (not GPL-3 or MPL-1.1, which the reports read). JSON + a ma
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
-import sys
 from pathlib import Path
 
-from layer_budgets import trimmed_bytes  # benchmarks/ is the script's directory: sys.path[0]
+from common import command_line, file_tokens, write_report  # benchmarks/ is the script's directory: sys.path[0]
+from layer_budgets import trimmed_bytes
 
 from ahakv_local.budget import Budget
 from ahakv_local.engine import Engine, EngineConfig
@@ -39,14 +37,13 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/out/group_split.json")
     args = ap.parse_args()
     model = default_model_path()
+    tokens = file_tokens(model, args.text, args.tokens)
     with Engine(model, EngineConfig(n_ctx=256)) as e:
-        tokens = e.tokenize(Path(args.text).read_text(encoding="utf-8"))[: args.tokens]
         layout = e.cache_layout()
     trimmed = trimmed_bytes(model, len(tokens), args.n_ubatch)
-    report = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "model": model.name,
+    report = {"command": command_line(), "model": model.name,
               "text": args.text, "tokens": len(tokens), "trimmed_bytes": trimmed, "rows": []}  # fmt: skip
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     for frac in map(int, args.fractions.split(",")):
         budget = Budget.parse(f"{trimmed // frac}B")
         specs = []
@@ -72,7 +69,6 @@ def main() -> None:
 
 
 def write(report: dict, out: Path, args: argparse.Namespace) -> None:
-    out.write_text(json.dumps(report, indent=1))
     lines = [f"Byte split between the caches, {report['model']}, {report['tokens']} tokens of {args.text}, "
              f"step {args.step}; trimmed cache {report['trimmed_bytes'] / 2**20:.2f} MiB; "
              f"full cache ppl {report['full_ppl']:.3f}",
@@ -82,7 +78,7 @@ def write(report: dict, out: Path, args: argparse.Namespace) -> None:
     for r in report["rows"]:
         lines.append(f"| {r['policy']} | {r['fraction']} | {r['share']} | {r['kv_bytes'] / 2**20:.2f} | "
                      f"{r['ppl']:.3f} | {r['kl']:.4f} | {r['top1']:.3f} |")  # fmt: skip
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_report(report, out, "\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
 

@@ -12,14 +12,12 @@ as a PNG beside them.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
-import sys
 import time
 from pathlib import Path
 
+from common import command_line, file_tokens, write_report  # benchmarks/ is the script's directory: sys.path[0]
+
 from ahakv_local.budget import Budget
-from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.evaluation import evaluate
 from ahakv_local.info import read_info
 from ahakv_local.models import default_model_path
@@ -45,12 +43,11 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/layer_budgets.json")
     args = ap.parse_args()
     model = default_model_path()
-    with Engine(model, EngineConfig(n_ctx=256)) as e:
-        tokens = e.tokenize(Path(args.text).read_text(encoding="utf-8"))[: args.tokens]
+    tokens = file_tokens(model, args.text, args.tokens)
     trimmed = trimmed_bytes(model, len(tokens), args.n_ubatch)
     out = Path(args.out)
     report = {
-        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "command": command_line(),
         "model": model.name,
         "text": args.text,
         "tokens": len(tokens),
@@ -85,8 +82,7 @@ def main() -> None:
             )
         report["full_ppl"] = results["full"].ppl
         print(f"{policy}: {time.perf_counter() - t0:.0f} s", flush=True)
-        out.write_text(json.dumps(report, indent=1))
-        out.with_suffix(".md").write_text(table(report))
+        write_report(report, out, table(report))
         plot_frontier(report["results"], report["full_ppl"], trimmed, out.with_suffix(".png"),
                       f"{model.name}, {len(tokens)} tokens of {Path(args.text).name}")  # fmt: skip
 

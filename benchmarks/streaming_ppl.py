@@ -15,7 +15,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ahakv_local.engine import Engine, EngineConfig
+from common import file_tokens  # benchmarks/ is the script's directory: sys.path[0]
+
 from ahakv_local.evaluation import streaming_perplexity
 from ahakv_local.models import resolve_model
 from ahakv_local.policies import POLICIES
@@ -36,8 +37,7 @@ def main() -> None:
     args = ap.parse_args()
 
     model = resolve_model(args.model)
-    with Engine(model, EngineConfig(n_ctx=256)) as e:
-        tokens = e.tokenize(Path(args.text).read_text())[: args.tokens]
+    tokens = file_tokens(model, args.text, args.tokens)
     names = list(POLICIES) if args.policies == "all" else args.policies.split(",")
     runs = [(n, n, {}) for n in names if n != "full"]
     if args.ablations:

@@ -12,7 +12,8 @@ import json
 import time
 from pathlib import Path
 
-from ahakv_local.engine import Engine, EngineConfig
+from common import file_tokens  # benchmarks/ is the script's directory: sys.path[0]
+
 from ahakv_local.evaluation import evaluate
 from ahakv_local.models import default_model_path
 from ahakv_local.session import SessionSpec
@@ -28,8 +29,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: every core)")
     args = ap.parse_args()
     model = default_model_path()
-    with Engine(model, EngineConfig(n_ctx=64)) as e:
-        tokens = e.tokenize(Path(args.text).read_text(encoding="utf-8"))[: args.tokens]
+    tokens = file_tokens(model, args.text, args.tokens)
     specs = [
         SessionSpec.bounded(policy, args.budget, label=label, params=params)
         for label, (policy, params) in json.loads(args.variants).items()

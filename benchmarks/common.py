@@ -1,0 +1,28 @@
+"""What the benchmark scripts here share: a text file as the model's tokens, the command line that ran, and a
+report written as JSON with its markdown table beside it (same name, .md)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from ahakv_local.evaluation import text_tokens
+
+
+def file_tokens(model: Path, path: str | Path, n: int | None = None) -> list[int]:
+    """The first ``n`` tokens (all with None) of a text file, BOS first."""
+    return text_tokens(model, Path(path).read_text(encoding="utf-8"))[:n]
+
+
+def command_line() -> str:
+    """How this script was run, to paste back into a shell (recorded beside every number)."""
+    return "python " + " ".join(shlex.quote(a) for a in sys.argv)
+
+
+def write_report(report: dict, out: Path, markdown: str) -> None:
+    """``report`` to ``out`` (JSON) and ``markdown`` beside it; rewritten after each step of a long run."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    out.with_suffix(".md").write_text(markdown)
