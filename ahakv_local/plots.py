@@ -96,15 +96,15 @@ def plot_longdoc(trials: list[LongdocTrial], path: Path, title: str = "") -> Pat
 def plot_frontier(rows: list[dict], full_ppl: float, trimmed_bytes: int, path: Path, title: str = "") -> Path:
     """Perplexity and mean KL from the full cache against allocated KV bytes (benchmarks/layer_budgets.py):
     one line per policy and layer allocation (rows with "policy", "layer_budgets", "budget_bytes", "ppl",
-    "kl"), natural groups solid, the shared pool dashed, the full cache's perplexity and llama.cpp's trimmed
-    cache's bytes as reference lines."""
+    "kl"; a layout named "shared..." is dashed, others solid, one whose name has "q8_0" square-marked), the full
+    cache's perplexity and llama.cpp's trimmed cache's bytes as reference lines."""
     fig, (ppl, kl) = plt.subplots(1, 2, figsize=(11, 4.5))
     colours = {}
     for policy, layers in dict.fromkeys((r["policy"], r["layer_budgets"]) for r in rows):
         run = sorted((r for r in rows if (r["policy"], r["layer_budgets"]) == (policy, layers)),
                      key=lambda r: r["budget_bytes"])  # fmt: skip
         mib = [r["budget_bytes"] / 2**20 for r in run]
-        style = {"linestyle": "-" if layers == "natural" else "--", "marker": "o",
+        style = {"linestyle": "--" if layers.startswith("shared") else "-", "marker": "s" if "q8_0" in layers else "o",
                  "linewidth": 2.5 if policy == "ahakv" else 1.2}  # fmt: skip
         if policy in colours:
             style["color"] = colours[policy]

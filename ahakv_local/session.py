@@ -29,7 +29,7 @@ from .budget import (
     guide_room,
 )
 from .controller import ControllerConfig, KVController, Reconstruct
-from .engine import Engine, EngineConfig
+from .engine import KV_CACHE_TYPES, Engine, EngineConfig
 from .errors import AhakvError
 from .policies import Policy, make_policy
 
@@ -58,6 +58,9 @@ class SessionSpec:
     # how the budget is laid out on the layers (budget.allocate): one pool for every layer, or one per cache
     layer_budgets: LayerBudgets = "shared"
     sliding_share: float | None = None  # natural, a byte budget: the sliding cache's share (None: its window)
+    # K and V cache type of the engine ``open_session`` opens (q8_0: about half the bytes of f16 a cell, so a byte
+    # budget holds ~1.9x the cells; flash attention on). The drop-in takes it from its own kv_type.
+    kv_type: str = "f16"
 
     def __post_init__(self) -> None:
         policy = self.make_policy()  # an unknown policy or parameter fails here, before any model loads
@@ -67,6 +70,8 @@ class SessionSpec:
             raise AhakvError(f"reading must be plain, query or reconstruct, not {self.reading!r}")
         if self.layer_budgets not in LAYER_BUDGETS:
             raise AhakvError(f"layer budgets must be {' or '.join(LAYER_BUDGETS)}, not {self.layer_budgets!r}")
+        if self.kv_type not in KV_CACHE_TYPES:
+            raise AhakvError(f"KV type must be {' or '.join(KV_CACHE_TYPES)}, not {self.kv_type!r}")
 
     @classmethod
     def bounded(cls, policy: str, budget: Budget | str | int | float, **kw) -> SessionSpec:
@@ -179,13 +184,18 @@ def guide(reading: Reading, question: Sequence[int] | None, engine: Engine) -> S
 @functools.lru_cache(maxsize=16)
 def model_layout(model: Path, type_k: str = "f16", type_v: str = "f16") -> CacheLayout:
     """A model's cache layout (``Engine.cache_layout``), measured on a small context of its own."""
-    with Engine(model, EngineConfig(n_ctx=256, n_batch=64, n_ubatch=64, type_k=type_k, type_v=type_v)) as e:
+    quantized = (type_k, type_v) != ("f16", "f16")  # a quantized V needs flash attention
+    config = EngineConfig(n_ctx=256, n_batch=64, n_ubatch=64, type_k=type_k, type_v=type_v, flash_attn=quantized)
+    with Engine(model, config) as e:
         return e.cache_layout()
 
 
 def open_session(model: str | Path, spec: SessionSpec, longest: int, n_ubatch: int = 64, **engine_kw) -> BoundedSession:
     """An engine for ``model`` sized for ``spec`` over a sequence of at most ``longest`` tokens read
-    ``n_ubatch`` at a time, every cache exactly as ``spec.allocation`` says, with its controller."""
+    ``n_ubatch`` at a time, with K and V of ``spec.kv_type``, every cache exactly as ``spec.allocation`` says,
+    with its controller."""
+    if spec.kv_type != "f16":
+        engine_kw |= {"type_k": spec.kv_type, "type_v": spec.kv_type, "flash_attn": True}
     types = {k: engine_kw[k] for k in ("type_k", "type_v") if k in engine_kw}
     cells = spec.allocation(model_layout(Path(model), **types), n_ubatch, longest).cache_cells
     engine_kw.setdefault("swa_full", not cells[1])  # the sliding cache is sized exactly: no full-size copy

@@ -33,6 +33,17 @@ def trimmed_bytes(model: Path, n_tokens: int, n_ubatch: int) -> int:
     return sum(c.bytes for c in read_info(model).caches(n_tokens, swa_full=False, n_ubatch=n_ubatch))
 
 
+def layouts(spec: str, kv_types: str) -> list[tuple[str, str, float | None, str]]:
+    """``--layouts`` x ``--kv-types`` as (label, layer budgets, sliding share, KV type): "natural@0.55" is natural
+    groups giving the sliding cache 0.55 of the bytes; a q8_0 layout's label ends in " q8_0"."""
+    out = []
+    for kv in kv_types.split(","):
+        for item in spec.split(","):
+            lb, _, share = item.partition("@")
+            out.append((item + ("" if kv == "f16" else f" {kv}"), lb, float(share) if share else None, kv))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
@@ -40,6 +51,9 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=16)
     ap.add_argument("--n-ubatch", type=int, default=64)
     ap.add_argument("--policies", default="streaming,h2o,tova,snapkv,ahakv")
+    ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="budgets: 1/F of the trimmed cache")
+    ap.add_argument("--layouts", default="shared,natural", help="shared, natural or natural@SHARE, comma-separated")
+    ap.add_argument("--kv-types", default="f16", help="f16 and/or q8_0 (K and V), comma-separated")
     ap.add_argument("--out", default="benchmarks/layer_budgets.json")
     args = ap.parse_args()
     model = default_model_path()
@@ -57,26 +71,28 @@ def main() -> None:
         "results": [],
     }
     for policy in args.policies.split(","):
-        specs = []
-        for frac in FRACTIONS:
+        specs = {}
+        for frac in map(int, args.fractions.split(",")):
             budget = Budget.parse(f"{trimmed // frac}B")
-            for lb in ("shared", "natural"):
-                specs.append(SessionSpec.bounded(policy, budget, layer_budgets=lb, label=f"{policy}/{lb}/{frac}"))
+            for label, lb, share, kv in layouts(args.layouts, args.kv_types):
+                spec = SessionSpec.bounded(policy, budget, layer_budgets=lb, sliding_share=share, kv_type=kv,
+                                           label=f"{policy}/{label}/{frac}")  # fmt: skip
+                specs[spec.label] = (spec, label, frac)
         t0 = time.perf_counter()
-        results = evaluate(model, tokens, specs, n_ubatch=args.n_ubatch, step=args.step)
-        for spec in specs:
-            r = results[spec.label]
-            _, lb, frac = spec.label.split("/")
+        results = evaluate(model, tokens, [s for s, _, _ in specs.values()], n_ubatch=args.n_ubatch, step=args.step)
+        for key, (spec, label, frac) in specs.items():
+            r = results[key]
             report["results"].append(
                 {
                     "policy": policy,
-                    "layer_budgets": lb,
+                    "layer_budgets": label,
                     "fraction": f"1/{frac}",
                     "budget_bytes": int(spec.budget.value),
                     "ppl": r.ppl,
                     "kl": r.kl,
                     "top1": r.top1,
                     "max_cells": r.max_cells,
+                    "kv_bytes": r.kv_bytes,
                     "seconds": r.seconds,
                 }
             )
@@ -88,6 +104,8 @@ def main() -> None:
 
 
 def table(report: dict) -> str:
+    """One row per policy and budget, ppl (mean KL) per layout."""
+    names = list(dict.fromkeys(r["layer_budgets"] for r in report["results"]))
     lines = [
         f"Layer budgets, {report['model']}, {report['tokens']} tokens of {report['text']}, step {report['step']}; "
         f"llama.cpp's trimmed cache: {report['trimmed_bytes'] / 2**20:.2f} MiB; full cache ppl "
@@ -95,18 +113,15 @@ def table(report: dict) -> str:
         "",
         f"    {report['command']}",
         "",
-        "| policy | budget | shared ppl | natural ppl | shared KL | natural KL | shared top1 | natural top1 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| policy | budget | " + " | ".join(f"{n}: ppl (KL)" for n in names) + " |",
+        "|---|---|" + "---:|" * len(names),
     ]
     rows = {(r["policy"], r["fraction"], r["layer_budgets"]): r for r in report["results"]}
     for policy, frac in dict.fromkeys((r["policy"], r["fraction"]) for r in report["results"]):
-        s, n = rows.get((policy, frac, "shared")), rows.get((policy, frac, "natural"))
-        if s and n:
-            mib = s["budget_bytes"] / 2**20
-            lines.append(
-                f"| {policy} | {frac} ({mib:.2f} MiB) | {s['ppl']:.3f} | {n['ppl']:.3f} | {s['kl']:.4f} | "
-                f"{n['kl']:.4f} | {s['top1']:.3f} | {n['top1']:.3f} |"
-            )
+        cells = [rows.get((policy, frac, n)) for n in names]
+        mib = next(c for c in cells if c)["budget_bytes"] / 2**20
+        shown = [f"{c['ppl']:.3f} ({c['kl']:.4f})" if c else "–" for c in cells]
+        lines.append(f"| {policy} | {frac} ({mib:.2f} MiB) | " + " | ".join(shown) + " |")
     return "\n".join(lines) + "\n"
 
 
