@@ -132,11 +132,18 @@ def eval_group() -> None:
 @click.option("--observe-steps", default=1, show_default=True, help="Token by token: observed steps (0: all).")
 @click.option("--sinks", default=4, show_default=True)
 @click.option("--recent", default=32, show_default=True)
+@click.option(
+    "--kv-type",
+    type=click.Choice(["f16", "q8_0"]),
+    default="f16",
+    show_default=True,
+    help="K and V type of the budgeted runs (q8_0: flash attention on); the full cache compared with stays f16.",
+)
 @click.option("--out", "out_dir", default="eval-out", show_default=True, help="Folder for the outputs.")
 @rpc_option
 def eval_ppl(
     model, text_file, tokens, prefix, budgets, policies, ablations, ablations_at, step, evict_every, observe_steps,
-    sinks, recent, out_dir, rpc,
+    sinks, recent, kv_type, out_dir, rpc,
 ) -> None:  # fmt: skip
     """Streaming perplexity, KL from the full cache and top-1 agreement per policy and budget; for a model with a
     sliding-window cache also llama.cpp's own baseline, every position kept in a trimmed sliding cache."""
@@ -157,7 +164,9 @@ def eval_ppl(
 
     names = _policies(policies)
     evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
-    schedule = dict(n_sink=sinks, n_recent=recent, evict_every=evict_every, observe_steps=observe_steps)
+    schedule = dict(
+        n_sink=sinks, n_recent=recent, evict_every=evict_every, observe_steps=observe_steps, kv_type=kv_type
+    )
     floor = sinks + recent + 1
     cells = _cells(budgets, len(ids), floor)
     ablated = cells if ablations else _cells(ablations_at, len(ids), floor) if ablations_at else []

@@ -257,3 +257,21 @@ def test_llama_lays_a_byte_budget_out_in_q8_0_cells(gemma_model, layer_budgets):
         for c in e.caches:  # every cache's buffers are q8_0 cells of its own layers
             n_layers = sum(1 for x in e.layer_cache if x == c)
             assert e.kv_bytes(c) == e.cache_cells(c) * info.cell_bytes(n_layers, "q8_0", "q8_0")
+
+
+def test_eval_ppl_with_kv_type(gemma_model, tmp_path):
+    """``eval ppl --kv-type q8_0``: the budgeted runs hold q8_0 cells (their KV bytes a whole number of q8_0 cells of
+    every layer), compared with the f16 full cache (finite KL)."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "ahakv_local", "eval", "ppl", str(gemma_model), "--tokens", "256", "--budgets", "96",
+           "--policies", "ahakv", "--step", "16", "--kv-type", "q8_0", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    run = next(r for r in json.loads((tmp_path / "results.json").read_text())["results"] if r["label"] == "ahakv@96")
+    info = read_info(gemma_model)
+    per_cell = info.cell_bytes(info.n_layer, "q8_0", "q8_0")  # shared: every cache holds the same cells
+    assert run["kv_bytes"] % per_cell == 0 and run["kv_bytes"] // per_cell >= 96
+    assert 0 < run["kl"] < 5
