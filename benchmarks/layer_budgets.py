@@ -78,8 +78,15 @@ def main() -> None:
                 spec = SessionSpec.bounded(policy, budget, layer_budgets=lb, sliding_share=share, kv_type=kv,
                                            label=f"{policy}/{label}/{frac}")  # fmt: skip
                 specs[spec.label] = (spec, label, frac)
+        # each quantized KV type once without eviction: what the quantization alone costs against the f16 full cache
+        floors = [SessionSpec(f"full {kv}", kv_type=kv) for kv in args.kv_types.split(",") if kv != "f16"]
+        floors = [f for f in floors if f.label not in report]
         t0 = time.perf_counter()
-        results = evaluate(model, tokens, [s for s, _, _ in specs.values()], n_ubatch=args.n_ubatch, step=args.step)
+        runs = [s for s, _, _ in specs.values()] + floors
+        results = evaluate(model, tokens, runs, n_ubatch=args.n_ubatch, step=args.step)
+        for f in floors:
+            r = results[f.label]
+            report[f.label] = {"ppl": r.ppl, "kl": r.kl, "kv_bytes": r.kv_bytes}
         for key, (spec, label, frac) in specs.items():
             r = results[key]
             report["results"].append(
@@ -109,7 +116,8 @@ def table(report: dict) -> str:
     lines = [
         f"Layer budgets, {report['model']}, {report['tokens']} tokens of {report['text']}, step {report['step']}; "
         f"llama.cpp's trimmed cache: {report['trimmed_bytes'] / 2**20:.2f} MiB; full cache ppl "
-        f"{report.get('full_ppl', float('nan')):.3f}",
+        f"{report.get('full_ppl', float('nan')):.3f}"
+        + "".join(f"; {k}: ppl {v['ppl']:.3f}, KL {v['kl']:.4f}" for k, v in report.items() if k.startswith("full ")),
         "",
         f"    {report['command']}",
         "",
