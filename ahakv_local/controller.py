@@ -136,6 +136,7 @@ class KVController:
             self.config.room,
             every,
             self.config.sliding_share,
+            self.config.n_sink + self.config.n_recent,
         )
 
     # -- decoding ------------------------------------------------------------------------------------

@@ -86,6 +86,11 @@ class SessionSpec:
         except TypeError:  # a dataclass refusing a keyword
             raise AhakvError(f"unknown setting for policy {self.policy}: {', '.join(self.params)}") from None
 
+    @property
+    def keep(self) -> int:
+        """Positions every group keeps whatever they score (sinks and recent tokens)."""
+        return self.n_sink + self.n_recent
+
     def room(self, chunk: int) -> int:
         """Cells a guided reading decodes behind a chunk (``budget.guide_room``; 0 for a plain one)."""
         return guide_room(self.reading, chunk) if self.make_policy().reads_with_query else 0
@@ -98,7 +103,7 @@ class SessionSpec:
         budget = self.budget
         if budget.mode == "bytes":
             budget = allocate(
-                budget, layout, self.layer_budgets, chunk, 0, self.room(chunk), 32, self.sliding_share
+                budget, layout, self.layer_budgets, chunk, 0, self.room(chunk), 32, self.sliding_share, self.keep
             ).groups[0]
         return default_evict_every(budget, self.n_sink, self.n_recent)
 
@@ -107,7 +112,15 @@ class SessionSpec:
         each cache, for a sequence of at most ``longest`` tokens read ``chunk`` at a time."""
         every = self.evict_every_on(layout, chunk)
         return allocate(
-            self.budget, layout, self.layer_budgets, chunk, longest, self.room(chunk), every, self.sliding_share
+            self.budget,
+            layout,
+            self.layer_budgets,
+            chunk,
+            longest,
+            self.room(chunk),
+            every,
+            self.sliding_share,
+            self.keep,
         )
 
     def config(self, layout: CacheLayout, chunk: int) -> ControllerConfig:

@@ -1,7 +1,8 @@
 """How to split a byte budget between Gemma 3's two caches under ``natural`` layer budgets: perplexity and mean
 KL from the full cache at 1/4 and 1/8 of llama.cpp's trimmed cache, for several shares of the bytes given to
 the sliding-window cache (15 layers, 15 KiB a cell) against the full-attention cache (3 layers, 3 KiB a cell).
-The default gives the sliding cache its window when the bytes allow it, else as many cells as the other
+The default (share None, "even") splits the bytes evenly between the groups' held cells (budget.allocate); before
+it, the default gave the sliding cache its window when the bytes allowed, else as many cells as the other
 (share 15/18 = 0.83): a share below that buys five full-attention cells for each sliding one.
 
     AHAKV_CACHE_DIR=... python benchmarks/group_split.py --text /usr/share/common-licenses/LGPL-2.1 \\
@@ -49,7 +50,7 @@ def main() -> None:
         specs = []
         for policy in args.policies.split(","):
             for share in [None, *map(float, args.shares.split(","))]:
-                label = f"{policy}/{frac}/{share or 'window'}"
+                label = f"{policy}/{frac}/{share or 'even'}"
                 spec = SessionSpec.bounded(policy, budget, layer_budgets="natural", sliding_share=share,
                                            evict_every=args.step, label=label)  # fmt: skip
                 # a group must hold its sinks, recent tokens and one eviction period (the controller's floor)

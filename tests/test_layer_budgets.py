@@ -24,7 +24,7 @@ from ahakv_local.errors import AhakvError
 from ahakv_local.fixture import ARCH_HPARAMS, FixtureSpec
 from ahakv_local.models import fixture_path
 from ahakv_local.policies import POLICIES
-from ahakv_local.session import SessionSpec, open_session
+from ahakv_local.session import SessionSpec, model_layout, open_session
 
 EVICTING = sorted(set(POLICIES) - {"full"})
 WINDOW = int(ARCH_HPARAMS["sliding_window"])  # 24
@@ -71,17 +71,28 @@ def test_the_layout_rules_on_gemma3_270m():
     shared = allocate(budget, GEMMA3_270M, "shared", chunk, 4096, 0, every)
     n = 16 * 2**20 // (18 * 1024)  # 910 cells in every layer
     assert shared.cache_cells == (n, n) and shared.groups == (Budget("cells", n - extra),)
+    # natural: the bytes left once each cache has its chunk and newest token (65 cells of every layer: 1170 KiB),
+    # half to each group's held cells: 7,789,568 B = 507 sliding cells (15 KiB), the full-attention cache the rest
     natural = allocate(budget, GEMMA3_270M, "natural", chunk, 4096, 0, every)
-    sliding = 512 + every - 1 + extra  # its window, the positions that leave it between evictions, a chunk, newest
-    base = (16 * 2**20 - sliding * 15 * 1024) // (3 * 1024)
-    assert natural.cache_cells == (base, sliding)
+    assert (16 * 2**20 - 65 * 18 * 1024) // 2 // (15 * 1024) == 507
+    sliding = 507 + extra
+    base = (16 * 2**20 - sliding * 15 * 1024) // (3 * 1024)  # 2601: 2536 held, five for each sliding one
+    assert natural.cache_cells == (base, sliding) == (2601, 572)
     assert natural.groups == (Budget("cells", base - extra), Budget("cells", sliding - extra))
+    held_bytes = [(c - extra) * b for c, b in zip(natural.cache_cells, (3 * 1024, 15 * 1024), strict=True)]
+    assert abs(held_bytes[0] - held_bytes[1]) < 2 * 15 * 1024  # even, to a cell or so
     for a in (shared, natural):
         assert GEMMA3_270M.bytes(a.cache_cells) <= 16 * 2**20
         assert 16 * 2**20 - GEMMA3_270M.bytes(a.cache_cells) < 18 * 1024  # less than one cell of every layer left
-    # too few bytes for the window: every cache gets the shared count, never less than the shared layout
-    small = allocate(Budget.parse("4MiB"), GEMMA3_270M, "natural", chunk, 4096, 0, every)
-    n = 4 * 2**20 // (18 * 1024)
+    # enough bytes: the sliding group holds its window (512 + the positions leaving it between evictions)
+    big = allocate(Budget.parse("32MiB"), GEMMA3_270M, "natural", chunk, 4096, 0, every)
+    assert big.groups[1] == Budget("cells", 512 + every - 1)
+    # the sliding group holds at least twice what it keeps (sinks + recent: 36), at most the shared layout's cells
+    n = int(2.9 * 2**20) // (18 * 1024)  # 164 cells of every layer, shared
+    tight = allocate(Budget("bytes", int(2.9 * 2**20)), GEMMA3_270M, "natural", chunk, 4096, 0, every, None, 36)
+    assert tight.groups[1] == Budget("cells", 72) and tight.cache_cells[0] > n
+    small = allocate(Budget.parse("2MiB"), GEMMA3_270M, "natural", chunk, 4096, 0, every, None, 36)
+    n = 2 * 2**20 // (18 * 1024)  # 113: only 48 held, under 72
     assert small.cache_cells[1] == n and small.cache_cells[0] >= n
     # cells and ratios count the cells of a full-attention layer; the sliding group holds as much, up to its window
     cells = allocate(Budget.parse(1024), GEMMA3_270M, "natural", chunk, 4096, 0, every)
@@ -261,12 +272,19 @@ def test_info_bytes_per_group(gemma3_fixture, license_text):
 # -- Gemma 3 270M -----------------------------------------------------------------------------------------
 
 
-def test_gemma3_270m_natural_keeps_the_window(gemma_model, license_text):
-    """The real model at 11 MiB (625 cells of every layer, shared): natural gives the sliding layers their
-    window (512 + 31 held: 608 cells with a chunk of 64 and the newest) and the full-attention layers the rest
-    (714 cells, 649 held); every group holds its budget at every step, and the sliding layers see every
-    position of their window all along."""
-    spec = SessionSpec.bounded("ahakv", "11MiB", layer_budgets="natural")
+def test_gemma3_270m_natural_splits_the_bytes_and_can_keep_the_window(gemma_model, license_text):
+    """The real model at 11 MiB (625 cells of every layer, shared). Natural's even split: 10,336,256 B left after
+    a chunk of 64 and the newest token in every cache, half to each group's held cells: 336 sliding (401 cells),
+    the full-attention cache the rest (1749 cells, 1684 held). With a sliding share of 0.9 the sliding layers get
+    their window (512 + 31 held: 608 cells) and the full-attention layers the rest (714 cells, 649 held); every
+    group holds its budget at every step, and the sliding layers see every position of their window all along."""
+    layout = model_layout(gemma_model)
+    assert layout == GEMMA3_270M
+    assert SessionSpec.bounded("ahakv", "11MiB", layer_budgets="natural").allocation(layout, 64, 800).cache_cells == (
+        1749,
+        401,
+    )
+    spec = SessionSpec.bounded("ahakv", "11MiB", layer_budgets="natural", sliding_share=0.9)
     with open_session(gemma_model, spec, longest=800, n_ubatch=64) as s:
         c, e = s.controller, s.engine
         assert (e.cache_cells(BASE), e.cache_cells(SLIDING)) == (714, 608) and e.kv_bytes() <= 11 * 2**20
@@ -282,7 +300,8 @@ def test_gemma3_270m_natural_keeps_the_window(gemma_model, license_text):
                 assert g.live.size <= g.budget.target(e.n_past)
             assert np.isin(np.arange(e.n_past - 512, e.n_past), sliding.live).all()
         assert base.evicted > 0 and 649 - 31 <= base.live.size <= 649
-    # at 2 MiB the window does not fit: the sliding cache gets the shared layout's cells, the base cache the rest
+    # at 2 MiB the even split would leave the sliding group under twice its sinks + recent: it gets the shared
+    # layout's cells, the base cache the rest
     with open_session(gemma_model, SessionSpec.bounded("ahakv", "2MiB", layer_budgets="natural"), 800, 64) as s:
         e, n = s.engine, 2 * 2**20 // (18 * 1024)  # 113
         assert e.cache_cells(SLIDING) == n <= e.cache_cells(BASE) <= n + 5 and e.kv_bytes() <= 2 * 2**20
