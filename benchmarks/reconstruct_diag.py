@@ -1,0 +1,72 @@
+"""Where a reading's evictions put the key sentence of single-needle items (issue 12, reconstruction reading):
+for each item, the answer, which tokens of the key sentence are still cached after the prompt is read, how many
+decode positions after the sentence's start each of the others was evicted, and how the kept positions spread
+over the prompt (per 256 positions; a uniform keep at 4x is 64 each). Filler: tuning texts the reports do not
+read (LGPL-2.1, GFDL-1.3, Apache-2.0).
+
+    python benchmarks/reconstruct_diag.py --reading reconstruct --cells 512 --depths 0.1,0.3,0.5,0.7,0.9 -t 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ahakv_local.longdoc import SEPARATOR, Filler, make_item
+from ahakv_local.models import default_model_path
+from ahakv_local.session import SessionSpec, open_session
+
+TUNING_TEXTS = ("LGPL-2.1", "GFDL-1.3", "Apache-2.0")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--policy", default="ahakv")
+    ap.add_argument("--reading", default="reconstruct", choices=("plain", "query", "reconstruct"))
+    ap.add_argument("--cells", type=int, default=512)
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--seed", default="1")
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    args = ap.parse_args()
+    texts = [Path(f"/usr/share/common-licenses/{name}").read_text() for name in TUNING_TEXTS]
+    spec = SessionSpec.bounded(args.policy, args.cells, reading=args.reading)
+    solved = []
+    with open_session(default_model_path(), spec, args.length + 16, 64, n_threads=args.threads) as s:
+        e, ctl = s.engine, s.controller
+        filler, evicted_at = Filler(e, texts), {}
+        real_evict = e.evict
+
+        def evict(positions, cache=None):
+            evicted_at[e.n_past] = np.asarray(positions).copy()
+            return real_evict(positions, cache)
+
+        e.evict = evict
+        for depth in (float(d) for d in args.depths.split(",")):
+            item = make_item(e, filler, "single", args.length, depth, args.seed)
+            sentence = e.tokenize(f"{SEPARATOR}{item.sentences[0]}{SEPARATOR}", add_bos=False)
+            p = item.prompt
+            at = next(i for i in range(len(p)) if p[i : i + len(sentence)] == sentence)
+            span = np.arange(at, at + len(sentence))
+            s.reset()
+            evicted_at.clear()
+            start = time.perf_counter()
+            logits = s.read(item.prompt, item.question)
+            seconds = time.perf_counter() - start
+            out, _ = s.answer(logits, 8)
+            answer = e.detokenize(out).strip()
+            solved.append(item.score(answer))
+            kept = "".join("1" if k else "0" for k in np.isin(span, ctl.live))
+            when = {int(q - at): n - at for n, v in sorted(evicted_at.items()) for q in np.intersect1d(v, span)}
+            spread = np.bincount(ctl.live // 256, minlength=args.length // 256 + 1).tolist()
+            print(f"depth {depth}: read {seconds:.1f} s, answer {answer!r} (key {item.expected[0]}), kept {kept}")
+            print(f"  evicted (token offset: positions after the sentence's start) {when}")
+            print(f"  kept per 256 positions {spread}")
+    print(f"solved {sum(solved):g}/{len(solved)}")
+
+
+if __name__ == "__main__":
+    main()
