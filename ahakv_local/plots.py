@@ -97,20 +97,23 @@ def plot_frontier(rows: list[dict], full_ppl: float, trimmed_bytes: int, path: P
     """Perplexity and mean KL from the full cache against allocated KV bytes (benchmarks/layer_budgets.py):
     one line per policy and layer allocation (rows with "policy", "layer_budgets", "budget_bytes", "ppl",
     "kl"; a layout named "shared..." is dashed, others solid, one whose name has "q8_0" square-marked), the full
-    cache's perplexity and llama.cpp's trimmed cache's bytes as reference lines."""
+    cache's perplexity and llama.cpp's trimmed cache's bytes as reference lines; a colour per policy, or per
+    layout when the rows are of one policy."""
     fig, (ppl, kl) = plt.subplots(1, 2, figsize=(11, 4.5))
     colours = {}
+    one_policy = len({r["policy"] for r in rows}) == 1  # then each layout its own colour, else each policy
     for policy, layers in dict.fromkeys((r["policy"], r["layer_budgets"]) for r in rows):
+        hue = layers if one_policy else policy
         run = sorted((r for r in rows if (r["policy"], r["layer_budgets"]) == (policy, layers)),
                      key=lambda r: r["budget_bytes"])  # fmt: skip
         mib = [r["budget_bytes"] / 2**20 for r in run]
         style = {"linestyle": "--" if layers.startswith("shared") else "-", "marker": "s" if "q8_0" in layers else "o",
                  "linewidth": 2.5 if policy == "ahakv" else 1.2}  # fmt: skip
-        if policy in colours:
-            style["color"] = colours[policy]
+        if hue in colours:
+            style["color"] = colours[hue]
         (line,) = ppl.plot(mib, [r["ppl"] for r in run], label=f"{policy} {layers}", **style)
-        colours[policy] = line.get_color()
-        kl.plot(mib, [r["kl"] for r in run], **(style | {"color": colours[policy]}))
+        colours[hue] = line.get_color()
+        kl.plot(mib, [r["kl"] for r in run], **(style | {"color": colours[hue]}))
     ppl.axhline(full_ppl, color="black", linestyle=":", label="full cache")
     for ax, name in ((ppl, "streaming perplexity"), (kl, "mean KL from the full cache (nats)")):
         ax.axvline(trimmed_bytes / 2**20, color="grey", linestyle=":", label="llama.cpp trimmed cache")
