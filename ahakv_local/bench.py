@@ -176,15 +176,20 @@ def engine_speed_at_budget(
     per-token overhead of ``generate`` (~19 ms on a 262K vocabulary) dilutes the policy's cost there;
     this is the ratio without it."""
     from .engine import EngineConfig
-    from .session import SessionSpec
+    from .session import SessionSpec, open_session
 
     evict_every, plain_prompt = _plan(tokens, budget, evict_every, decode_tokens)
     n_ctx = budget + evict_every + decode_tokens + batch
     cfg = EngineConfig(n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, n_gpu_layers=n_gpu_layers)
     engines = {label: Engine(model, replace(cfg, swa_full=swa_full)) for label, swa_full in BASELINES.items()}
-    # the policies' engines trim the sliding-window cache as open_session's sessions do (no cell past the window
-    # plus a ubatch is ever read there): measured against the trimmed row, the tap and eviction are what differ
-    engines.update({name: Engine(model, replace(cfg, swa_full=False)) for name in policies})
+    # each policy in a session as the product opens one (open_session: every cache sized exactly for the budget,
+    # a chunk and the newest token, not padded to 256), so evicted cells scattered over the buffer cost what they
+    # cost the product and no more
+    sessions = {}
+    for name in policies:
+        spec = SessionSpec.bounded(name, budget, evict_every=evict_every, observe_steps=observe_steps)
+        sessions[name] = open_session(model, spec, 2 * budget + decode_tokens, batch, n_gpu_layers=n_gpu_layers)
+        engines[name] = sessions[name].engine
 
     def plain_run(label: str) -> tuple[float, float, float]:
         e = engines[label]
@@ -198,10 +203,8 @@ def engine_speed_at_budget(
         return t1 - t0, time.perf_counter() - t1, plain_prompt + decode_tokens / 2
 
     def policy_run(name: str) -> tuple[float, float, float]:
-        e = engines[name]
-        e.truncate(0)
-        spec = SessionSpec.bounded(name, budget, evict_every=evict_every, observe_steps=observe_steps)
-        ctl = spec.controller(e)
+        sessions[name].reset()
+        ctl = sessions[name].controller
         t0 = time.perf_counter()
         ctl.prefill(tokens[: 2 * budget])
         t1 = time.perf_counter()
