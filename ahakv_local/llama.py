@@ -184,8 +184,10 @@ class Llama(llama_cpp.Llama):
         # with room for the question a long prompt is read with
         room = spec.room(kwargs.get("n_ubatch", n_batch))
         cells = cells_for(budget, n_batch, n_ctx, room) if budget.mode == "cells" else n_ctx
-        if budget.mode == "bytes" or kv_layer_budgets != "shared":
-            # every cache sized exactly as the budget is laid out on the layer groups (budget.allocate)
+        if budget.mode in ("bytes", "cells") or kv_layer_budgets != "shared":
+            # every cache sized exactly as the budget is laid out on the layer groups (budget.allocate), not padded
+            # to 256 cells: no cell past them is allocated or scanned by attention once evictions scatter the live
+            # ones over the buffer
             chunk = min(kwargs.get("n_ubatch", 512), n_batch)
             types = (kv_type, kv_type) if kv_type else ()
             sizes = spec.allocation(model_layout(Path(model_path), *types), chunk, n_ctx).cache_cells

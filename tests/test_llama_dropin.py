@@ -72,8 +72,8 @@ def test_generation_past_budget_and_n_ctx(gemma_model):
     assert stats.tokens_seen >= 4 * budget and stats.tokens_seen > 256  # past n_ctx too
     assert peak <= budget + 1 and stats.cells_used <= budget
     assert stats.evicted == stats.tokens_seen - stats.cells_used
-    # the engine allocated budget + one chunk + 1 cells (padded to 256), not the text length
-    assert stats.kv_cells == 256 < stats.tokens_seen
+    # the engine allocated budget + one chunk + 1 cells exactly (not padded to 256), not the text length
+    assert stats.kv_cells == budget + 64 + 1 < stats.tokens_seen
     per_cell = 18 * 1 * (256 + 256) * 2  # Gemma 3 270M: 18 layers, 1 KV head of 256, F16 K and V
     assert stats.kv_bytes == per_cell * stats.kv_cells
     assert llm.n_ctx() == 32768  # positions are bounded by the trained context, not by the cells
