@@ -165,6 +165,11 @@ class Llama(llama_cpp.Llama):
             return
 
         budget = Budget.parse(kv_budget, min_ratio=kv_min_ratio, max_ratio=kv_max_ratio, error_tol=kv_error_tol)
+        # the reading its cells leave room for: a chat over documents (kv_reuse_compressed) reads them
+        # question-agnostically (/read), which needs a reconstruction pass's room, more than a question's
+        reading = {True: "query", "reconstruct": "reconstruct"}.get(kv_query, "plain")
+        if kv_reuse_compressed and reading == "query":
+            reading = "reconstruct"
         # an unknown policy or a policy without a budget fails here, before the model loads
         spec = SessionSpec.bounded(
             kv_policy,
@@ -175,7 +180,7 @@ class Llama(llama_cpp.Llama):
             observe_steps=kv_observe_steps,
             pinned=kv_pinned,
             layer_budgets=kv_layer_budgets,
-            reading={True: "query", "reconstruct": "reconstruct"}.get(kv_query, "plain"),
+            reading=reading,
         )
         if kwargs.get("logits_all"):
             raise AhakvError("logits_all keeps a row of logits per position; it cannot be combined with kv_budget")
