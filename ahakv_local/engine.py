@@ -39,16 +39,19 @@ _GGML_TYPES = {name: ggml_type for name, (ggml_type, _, _) in KV_TYPES.items()}
 KV_CACHE_TYPES = ("f16", "q8_0")  # what --kv-type / kv_type offer (K and V alike)
 
 
+def kv_type_config(kv_type: str) -> dict:
+    """EngineConfig's fields for K and V caches of ``kv_type``: a quantized V needs flash attention, which is
+    turned on (the tap then reads the model's softmax as the side pass at scale 1)."""
+    return {"type_k": kv_type, "type_v": kv_type} | ({"flash_attn": True} if kv_type != "f16" else {})
+
+
 def kv_type_params(kv_type: str, flash_attn: bool | None = None) -> dict:
-    """llama_cpp.Llama's arguments for K and V caches of ``kv_type``: a quantized V needs flash attention, which
-    is turned on (the tap then reads the model's softmax as the side pass at scale 1)."""
+    """llama_cpp.Llama's arguments for K and V caches of ``kv_type`` (``kv_type_config`` with ggml's type ids)."""
     if kv_type not in KV_CACHE_TYPES:
         raise AhakvError(f"KV type must be {' or '.join(KV_CACHE_TYPES)}, not {kv_type!r}")
-    quantized = kv_type != "f16"
-    if quantized and flash_attn is False:
+    if kv_type != "f16" and flash_attn is False:
         raise AhakvError(f"a {kv_type} KV cache needs flash attention: drop flash_attn=False")
-    ggml_type = _GGML_TYPES[kv_type]
-    return {"type_k": ggml_type, "type_v": ggml_type} | ({"flash_attn": True} if quantized else {})
+    return kv_type_config(kv_type) | {"type_k": _GGML_TYPES[kv_type], "type_v": _GGML_TYPES[kv_type]}
 
 
 def default_threads() -> int:

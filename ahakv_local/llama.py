@@ -31,7 +31,7 @@ import llama_cpp
 import numpy as np
 
 from . import native, rpc, upstream
-from .budget import QUERY_TOKENS, Budget, cells_for
+from .budget import QUERY_TOKENS, Budget
 from .controller import ControllerStats, KVController
 from .engine import Engine, kv_type_params
 from .errors import AhakvError
@@ -185,17 +185,13 @@ class Llama(llama_cpp.Llama):
         if kwargs.get("logits_all"):
             raise AhakvError("logits_all keeps a row of logits per position; it cannot be combined with kv_budget")
         n_batch = min(n_batch, n_ctx) if budget.mode != "cells" else n_batch
-        # the cells of a sequence read n_batch tokens at a time (ratio/auto: the caller's n_ctx bounds them),
-        # with room for the question a long prompt is read with
-        room = spec.room(kwargs.get("n_ubatch", n_batch))
-        cells = cells_for(budget, n_batch, n_ctx, room) if budget.mode == "cells" else n_ctx
+        cells = n_ctx  # a shared ratio or auto budget: the caller's n_ctx bounds the cells
         if budget.mode in ("bytes", "cells") or kv_layer_budgets != "shared":
             # every cache sized exactly as the budget is laid out on the layer groups (budget.allocate), not padded
             # to 256 cells: no cell past them is allocated or scanned by attention once evictions scatter the live
             # ones over the buffer
             chunk = min(kwargs.get("n_ubatch", 512), n_batch)
-            types = (kv_type, kv_type) if kv_type else ()
-            sizes = spec.allocation(model_layout(Path(model_path), *types), chunk, n_ctx).cache_cells
+            sizes = spec.allocation(model_layout(Path(model_path), kv_type or "f16"), chunk, n_ctx).cache_cells
             cells = sizes[0]
             kwargs.setdefault("swa_full", not sizes[1])
             native.lib().set_next_cache_cells(*sizes)  # consumed by the context llama_cpp.Llama creates next

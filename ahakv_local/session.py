@@ -29,7 +29,7 @@ from .budget import (
     guide_room,
 )
 from .controller import ControllerConfig, KVController, Reconstruct
-from .engine import KV_CACHE_TYPES, Engine, EngineConfig
+from .engine import KV_CACHE_TYPES, Engine, EngineConfig, kv_type_config
 from .errors import AhakvError
 from .policies import Policy, make_policy
 
@@ -195,11 +195,10 @@ def guide(reading: Reading, question: Sequence[int] | None, engine: Engine) -> S
 
 
 @functools.lru_cache(maxsize=16)
-def model_layout(model: Path, type_k: str = "f16", type_v: str = "f16") -> CacheLayout:
-    """A model's cache layout (``Engine.cache_layout``), measured on a small context of its own."""
-    quantized = (type_k, type_v) != ("f16", "f16")  # a quantized V needs flash attention
-    config = EngineConfig(n_ctx=256, n_batch=64, n_ubatch=64, type_k=type_k, type_v=type_v, flash_attn=quantized)
-    with Engine(model, config) as e:
+def model_layout(model: Path, kv_type: str = "f16") -> CacheLayout:
+    """A model's cache layout with K and V of ``kv_type`` (``Engine.cache_layout``), measured on a small context of
+    its own."""
+    with Engine(model, EngineConfig(n_ctx=256, n_batch=64, n_ubatch=64, **kv_type_config(kv_type))) as e:
         return e.cache_layout()
 
 
@@ -207,10 +206,8 @@ def open_session(model: str | Path, spec: SessionSpec, longest: int, n_ubatch: i
     """An engine for ``model`` sized for ``spec`` over a sequence of at most ``longest`` tokens read
     ``n_ubatch`` at a time, with K and V of ``spec.kv_type``, every cache exactly as ``spec.allocation`` says,
     with its controller."""
-    if spec.kv_type != "f16":
-        engine_kw |= {"type_k": spec.kv_type, "type_v": spec.kv_type, "flash_attn": True}
-    types = {k: engine_kw[k] for k in ("type_k", "type_v") if k in engine_kw}
-    cells = spec.allocation(model_layout(Path(model), **types), n_ubatch, longest).cache_cells
+    engine_kw |= kv_type_config(spec.kv_type)
+    cells = spec.allocation(model_layout(Path(model), spec.kv_type), n_ubatch, longest).cache_cells
     engine_kw.setdefault("swa_full", not cells[1])  # the sliding cache is sized exactly: no full-size copy
     config = EngineConfig(n_ctx=cells[0], n_batch=n_ubatch, n_ubatch=n_ubatch, cache_cells=cells, **engine_kw)
     return BoundedSession(spec, Engine(model, config))
