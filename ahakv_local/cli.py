@@ -15,6 +15,7 @@ from .budget import LAYER_BUDGETS
 from .cli_eval import n_gpu_layers_option, rpc_option, threads_option
 from .errors import AhakvError
 from .extras import require
+from .info import KV_CACHE_TYPES
 
 
 class Group(click.Group):
@@ -147,11 +148,11 @@ def engine_options(f):
         ),
         click.option(
             "--kv-type",
-            type=click.Choice(["f16", "q8_0"]),
+            type=click.Choice(KV_CACHE_TYPES),
             default="f16",
             show_default=True,
             envvar="AHAKV_KV_TYPE",
-            help="KV cache type of K and V (q8_0: about half the bytes of f16; turns flash attention on).",
+            help="KV cache type of K and V (q8_0 about half the bytes of f16, q4_0 a quarter; flash attention on).",
         ),
         click.option(
             "--reading",

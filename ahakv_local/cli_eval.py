@@ -12,6 +12,7 @@ import click
 
 from .errors import AhakvError
 from .extras import require
+from .info import KV_CACHE_TYPES
 
 LICENSES = Path("/usr/share/common-licenses")
 
@@ -134,10 +135,10 @@ def eval_group() -> None:
 @click.option("--recent", default=32, show_default=True)
 @click.option(
     "--kv-type",
-    type=click.Choice(["f16", "q8_0"]),
+    type=click.Choice(KV_CACHE_TYPES),
     default="f16",
     show_default=True,
-    help="K and V type of the budgeted runs (q8_0: flash attention on); the full cache compared with stays f16.",
+    help="K and V type of the budgeted runs (q8_0, q4_0: flash attention on); the full cache compared with stays f16.",
 )
 @click.option("--out", "out_dir", default="eval-out", show_default=True, help="Folder for the outputs.")
 @rpc_option

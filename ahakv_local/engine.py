@@ -30,13 +30,12 @@ import numpy as np
 from . import rpc, upstream
 from .budget import CacheLayout
 from .errors import AhakvError
-from .info import KV_TYPES, check_kv_types, read_info
+from .info import KV_TYPES, check_kv_cache_type, check_kv_types, read_info
 from .native import EvictError, TapFlag, lib
 
 SEQ = 0  # the sequence of an engine made for one (a view has its own)
 
 _GGML_TYPES = {name: ggml_type for name, (ggml_type, _, _) in KV_TYPES.items()}
-KV_CACHE_TYPES = ("f16", "q8_0")  # what --kv-type / kv_type offer (K and V alike)
 
 
 def kv_type_config(kv_type: str) -> dict:
@@ -47,8 +46,7 @@ def kv_type_config(kv_type: str) -> dict:
 
 def kv_type_params(kv_type: str, flash_attn: bool | None = None) -> dict:
     """llama_cpp.Llama's arguments for K and V caches of ``kv_type`` (``kv_type_config`` with ggml's type ids)."""
-    if kv_type not in KV_CACHE_TYPES:
-        raise AhakvError(f"KV type must be {' or '.join(KV_CACHE_TYPES)}, not {kv_type!r}")
+    check_kv_cache_type(kv_type)
     if kv_type != "f16" and flash_attn is False:
         raise AhakvError(f"a {kv_type} KV cache needs flash attention: drop flash_attn=False")
     return kv_type_config(kv_type) | {"type_k": _GGML_TYPES[kv_type], "type_v": _GGML_TYPES[kv_type]}

@@ -21,7 +21,17 @@ SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "cohere2": 4}
 SWA_DEFAULT = {"gemma2": 4096}
 
 # KV cache element types: ggml type id, bytes per block, values per block (ggml/src/ggml.c type_traits)
-KV_TYPES = {"f32": (0, 4, 1), "f16": (1, 2, 1), "q4_0": (2, 18, 32), "q8_0": (8, 34, 32), "bf16": (30, 2, 1)}
+KV_TYPES = {
+    "f32": (0, 4, 1),
+    "f16": (1, 2, 1),
+    "q4_0": (2, 18, 32),
+    "q5_0": (6, 22, 32),
+    "q8_0": (8, 34, 32),
+    "bf16": (30, 2, 1),
+}
+# what --kv-type / kv_type offer, K and V alike: a quantized one turns flash attention on, which CPU, CUDA (its
+# vector kernels read q4_0/q5_0/q8_0) and Metal (K and V of one type) all run
+KV_CACHE_TYPES = ("f16", "q8_0", "q5_0", "q4_0")
 N_PAD = 256  # llama.cpp pads the context, and the trimmed sliding-window cache, to a multiple of this
 
 
@@ -84,6 +94,12 @@ class CacheSize:
     @property
     def bytes(self) -> int:
         return self.cells * self.cell_bytes
+
+
+def check_kv_cache_type(kv_type: str) -> None:
+    """An AhakvError (one line) for a K/V type that --kv-type / kv_type do not offer."""
+    if kv_type not in KV_CACHE_TYPES:
+        raise AhakvError(f"KV type must be one of {', '.join(KV_CACHE_TYPES)}, not {kv_type!r}")
 
 
 def check_kv_types(info: ModelInfo, type_k: str, type_v: str) -> None:

@@ -29,8 +29,9 @@ from .budget import (
     guide_room,
 )
 from .controller import ControllerConfig, KVController, Reconstruct
-from .engine import KV_CACHE_TYPES, Engine, EngineConfig, kv_type_config
+from .engine import Engine, EngineConfig, kv_type_config
 from .errors import AhakvError
+from .info import check_kv_cache_type
 from .policies import Policy, make_policy
 
 # what the reconstruction pass reads behind each chunk before the chunk itself again (KVzip's repeat prompt)
@@ -70,8 +71,7 @@ class SessionSpec:
             raise AhakvError(f"reading must be plain, query or reconstruct, not {self.reading!r}")
         if self.layer_budgets not in LAYER_BUDGETS:
             raise AhakvError(f"layer budgets must be {' or '.join(LAYER_BUDGETS)}, not {self.layer_budgets!r}")
-        if self.kv_type not in KV_CACHE_TYPES:
-            raise AhakvError(f"KV type must be {' or '.join(KV_CACHE_TYPES)}, not {self.kv_type!r}")
+        check_kv_cache_type(self.kv_type)
 
     @classmethod
     def bounded(cls, policy: str, budget: Budget | str | int | float, **kw) -> SessionSpec:

@@ -1,10 +1,12 @@
-"""KV quantization composes with the tap and eviction: q8_0 K and V with flash attention on (Gemma 3 270M).
+"""KV quantization composes with the tap and eviction: q8_0 (q5_0, q4_0) K and V with flash attention on (Gemma 3
+270M).
 
 Patch 0009 gives ATTN under flash attention (the side pass at scale 1), patch 0010 VERR and the value norms for a
-q8_0 V. The references are numpy on the run's own Q, K and V (llama.cpp's graph read through cb_eval,
-tests/capture.py) in F32/F64; every tolerance is the q8_0 quantization step, bounded from those values:
-a block of 32 stores round(x / d) with d = max|x| / 127 kept in F16, so each value is off by at most
-d (1/2 + 127 * 2^-11) (the rounding, and the F16 rounding of d times the integer).
+quantized V. The references are numpy on the run's own Q, K and V (llama.cpp's graph read through cb_eval,
+tests/capture.py) in F32/F64; every tolerance is the type's quantization step, bounded from those values:
+q8_0 stores round(x / d) per block of 32 with d = max|x| / 127 kept in F16, so each value is off by at most
+d (1/2 + 127 * 2^-11) (the rounding, and the F16 rounding of d times the integer); q5_0 and q4_0 (d = max / 16,
+max / 8) by at most d (1 + 16 * 2^-11), d (1 + 8 * 2^-11) (their clamp at the top costs up to one step).
 
 With a quantized cache llama.cpp rotates what it stores (llama-kv-cache.cpp, attn_rot_k/attn_rot_v): Q and K by
 an orthonormal Walsh-Hadamard matrix over the largest power of two >= 64 dividing the head size, V over blocks
@@ -32,11 +34,20 @@ QKV_OPS = {"Qcur-": ("ROPE",), "Kcur-": ("ROPE",), "Vcur-": ("RESHAPE",)}
 BLOCK = 32
 
 
-def q8_step(x: np.ndarray) -> np.ndarray:
-    """Per-value bound on |dequant(quant_q8_0(x)) - x| over blocks of 32 along the last axis (same shape as x)."""
+# ggml's reference quantizers (ggml-quants.c, quantize_row_*_ref) of the quantized KV types offered: a block of 32
+# shares d = (signed or absolute) max / LEVELS, stored in F16; q4_0 and q5_0 map the block's max to -LEVELS and
+# clamp the top to LEVELS - 1, so the value opposite the max may lose a whole step
+LEVELS = {"q8_0": 127, "q5_0": 16, "q4_0": 8}
+
+
+def q_step(x: np.ndarray, kv_type: str) -> np.ndarray:
+    """Per-value bound on |dequant(quant(x)) - x| over blocks of 32 along the last axis (same shape as x): half a
+    step for q8_0's rounding (a whole one for q4_0/q5_0's clamp) plus the F16 rounding of d times the integer."""
+    levels = LEVELS[kv_type]
     blocks = np.abs(x).reshape(*x.shape[:-1], -1, BLOCK)
-    d = blocks.max(axis=-1, keepdims=True) / 127
-    return np.broadcast_to(d * (0.5 + 127 * F16) * (1 + 1e-6), blocks.shape).reshape(x.shape)
+    d = blocks.max(axis=-1, keepdims=True) / levels
+    rounding = 0.5 if kv_type == "q8_0" else 1.0
+    return np.broadcast_to(d * (rounding + levels * F16) * (1 + 1e-6), blocks.shape).reshape(x.shape)
 
 
 def hadamard(n: int) -> np.ndarray:
@@ -55,12 +66,19 @@ def rotate(x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return out.reshape(x.shape), err.reshape(x.shape)
 
 
-def q8_round(x: np.ndarray) -> np.ndarray:
-    """ggml's quantize_row_q8_0 then dequantize (round half away from zero, d stored in F16), in float64."""
+def q_round(x: np.ndarray, kv_type: str) -> np.ndarray:
+    """ggml's reference quantizer of ``kv_type`` then dequantize, in float64."""
+    levels = LEVELS[kv_type]
     blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, BLOCK)
-    d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
-    q = np.where(d > 0, blocks / np.where(d > 0, d, 1), 0)
-    q = np.sign(q) * np.floor(np.abs(q) + 0.5)
+    if kv_type == "q8_0":  # d = max|x| / 127, round half away from zero
+        d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(levels)
+        q = np.where(d > 0, blocks / np.where(d > 0, d, 1), 0)
+        q = np.sign(q) * np.floor(np.abs(q) + 0.5)
+    else:  # d = -(the signed max) / levels, q = min(2 levels - 1, floor(x / d + levels + 0.5)) - levels
+        i = np.abs(blocks).argmax(axis=-1)[..., None]
+        d = np.take_along_axis(blocks, i, axis=-1) / np.float32(-levels)
+        inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+        q = np.minimum(2 * levels - 1, np.floor(blocks * inv + np.float32(levels + 0.5))) - levels
     return (q * d.astype(np.float16).astype(np.float64)).reshape(x.shape)
 
 
@@ -96,27 +114,28 @@ def test_attn_under_flash_attention_is_the_side_pass_at_scale_1(gemma_model, tok
             np.testing.assert_allclose(attn.sum(axis=1), 1.0, rtol=sum_rtol(n))
 
 
-def test_q8_0_statistics_against_numpy(gemma_model, tokens):
+@pytest.mark.parametrize("kv_type", ["q8_0", "q5_0", "q4_0"])
+def test_quantized_statistics_against_numpy(gemma_model, tokens, kv_type):
     cap = Capture(("Qcur-", "Kcur-", "Vcur-"), ops=QKV_OPS)
     n = PROMPT + 1
-    with run(gemma_model, tokens, "q8_0", flash_attn=True, cap=cap) as e:
+    with run(gemma_model, tokens, kv_type, flash_attn=True, cap=cap) as e:
         hd = e.head_dim
         assert e.n_head_kv == 1  # MQA: every query head reads KV head 0
         q_scale = 1.0 / np.sqrt(hd)  # Gemma 3 pre-scales Q by 1/sqrt(256)
-        rounded_through_q8 = []
+        rounded_through_type = []
         for il in range(e.n_layer):
             q = cap.tokens(f"Qcur-{il}")[-1].astype(np.float64) * q_scale  # [n_head, hd]: the decoded row
             k = cap.tokens(f"Kcur-{il}")[:, 0, :].astype(np.float64)  # [n, hd]: one KV head
             v = cap.tokens(f"Vcur-{il}")[:, 0, :].astype(np.float64)  # [n, hd]
             assert k.shape[0] == v.shape[0] == n
 
-            # ATTN: mul_mat quantizes q too (q8_0's dot type); each logit q.k = Hq.Hk is off by at most
+            # ATTN: mul_mat quantizes q to q8_0 (the dot type of all three); each logit q.k = Hq.Hk is off by at most
             # sum_d |q_d| ek_d + eq_d (|k_d| + ek_d) in the rotated values, and a softmax whose logits move by
             # <= delta moves each probability by at most p (e^(2 delta) - 1); the F32 dot adds sum_rtol(hd)
             # of sum |q||k|
             logits = q @ k.T
             (q, rq), (k, rk) = rotate(q, hd), rotate(k, hd)  # hd = 256: a power of two
-            eq, ek = q8_step(q) + rq, q8_step(k) + rk
+            eq, ek = q_step(q, "q8_0") + rq, q_step(k, kv_type) + rk
             f32_delta = sum_rtol(hd) * (np.abs(q) + eq) @ (np.abs(k) + ek).T  # [n_head, n]
             delta = np.abs(q) @ ek.T + eq @ (np.abs(k) + ek).T + f32_delta
             p = np.exp(logits - logits.max(axis=1, keepdims=True))
@@ -125,14 +144,14 @@ def test_q8_0_statistics_against_numpy(gemma_model, tokens):
             a = e.stat("attn", il).values.astype(np.float64)
             assert (np.abs(a - p) <= bound).all(), f"attn layer {il}: {(np.abs(a - p) / bound).max():.2f} x bound"
 
-            # VNORM (patch 0010): the norm of the values as the q8_0 cache holds them
+            # VNORM (patch 0010): the norm of the values as the quantized cache holds them
             vnorm = e.stat("vnorm", il).values[0].astype(np.float64)
             exact = np.linalg.norm(v, axis=1)
             v, rv = rotate(v, 64)
-            ev = np.linalg.norm(q8_step(v) + rv, axis=1)  # ||v_q - Hv|| <= this
+            ev = np.linalg.norm(q_step(v, kv_type) + rv, axis=1)  # ||v_q - Hv|| <= this
             assert (np.abs(vnorm - exact) <= ev + norm_rtol(hd) * exact).all(), f"vnorm layer {il}"
-            ref = np.linalg.norm(q8_round(v), axis=1)
-            rounded_through_q8.append(np.abs(vnorm - ref) <= 2 * norm_rtol(hd) * ref)
+            ref = np.linalg.norm(q_round(v, kv_type), axis=1)
+            rounded_through_type.append(np.abs(vnorm - ref) <= 2 * norm_rtol(hd) * ref)
 
             # VERR (patch 0010; before, zeros): a_j ||v_j - o|| with o = sum_i a_i v_i as the flash kernel
             # forms it from the dequantized V: against F32 v, each distance is off by <= ev_j + sum_i a_i ev_i,
@@ -153,7 +172,7 @@ def test_q8_0_statistics_against_numpy(gemma_model, tokens):
             assert (verr > 0).mean() > 0.99
         # the norms are those of the rounded values, not of the F32 ones (one value in a row may round the other
         # way in ggml's SIMD quantizer at a tie: allow a few rows)
-        assert np.mean(rounded_through_q8) > 0.95, np.mean(rounded_through_q8)
+        assert np.mean(rounded_through_type) > 0.95, np.mean(rounded_through_type)
 
 
 def test_llama_with_q8_0_evicts_and_reads_every_statistic(gemma_model, license_text):
@@ -191,7 +210,7 @@ def test_kv_type_refusals(fixture_model, gemma_model):
         Llama(str(fixture_model), kv_budget=64, kv_type="q8_0", verbose=False)
     with pytest.raises(AhakvError, match="needs flash attention"):
         Llama(str(gemma_model), kv_type="q8_0", flash_attn=False, verbose=False)
-    with pytest.raises(AhakvError, match="KV type must be f16 or q8_0"):
+    with pytest.raises(AhakvError, match="KV type must be one of f16, q8_0, q5_0, q4_0"):
         Llama(str(gemma_model), kv_type="q4_1", verbose=False)
 
 
@@ -242,8 +261,8 @@ def test_a_q8_0_session_spends_a_byte_budget_on_more_cells(gemma_model, license_
     results = evaluate(gemma_model, tokens, specs, step=16)
     assert results["q8_0"].max_cells > results["f16"].max_cells
     assert 0 < results["q8_0"].kl < results["f16"].kl
-    with pytest.raises(AhakvError, match="KV type must be f16 or q8_0"):
-        SessionSpec.bounded("ahakv", budget, kv_type="q4_0")
+    with pytest.raises(AhakvError, match="KV type must be one of f16, q8_0, q5_0, q4_0"):
+        SessionSpec.bounded("ahakv", budget, kv_type="q4_1")
 
 
 @pytest.mark.parametrize("layer_budgets", ["shared", "natural"])
