@@ -36,7 +36,7 @@ from .controller import ControllerStats, KVController
 from .engine import Engine, kv_type_params
 from .errors import AhakvError
 from .info import check_kv_types, read_info
-from .session import SessionSpec, guide, model_layout
+from .session import SessionSpec, guide
 
 
 class Stopped(Exception):
@@ -181,6 +181,7 @@ class Llama(llama_cpp.Llama):
             pinned=kv_pinned,
             layer_budgets=kv_layer_budgets,
             reading=reading,
+            kv_type=kv_type or "f16",
         )
         if kwargs.get("logits_all"):
             raise AhakvError("logits_all keeps a row of logits per position; it cannot be combined with kv_budget")
@@ -191,7 +192,7 @@ class Llama(llama_cpp.Llama):
             # to 256 cells: no cell past them is allocated or scanned by attention once evictions scatter the live
             # ones over the buffer
             chunk = min(kwargs.get("n_ubatch", 512), n_batch)
-            sizes = spec.allocation(model_layout(Path(model_path), kv_type or "f16"), chunk, n_ctx).cache_cells
+            sizes = spec.cache_cells(model_path, chunk, n_ctx)
             cells = sizes[0]
             kwargs.setdefault("swa_full", not sizes[1])
             native.lib().set_next_cache_cells(*sizes)  # consumed by the context llama_cpp.Llama creates next

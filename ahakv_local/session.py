@@ -60,7 +60,7 @@ class SessionSpec:
     layer_budgets: LayerBudgets = "shared"
     sliding_share: float | None = None  # natural, a byte budget: the sliding cache's share (None: its window)
     # K and V cache type of the engine ``open_session`` opens (q8_0: about half the bytes of f16 a cell, so a byte
-    # budget holds ~1.9x the cells; flash attention on). The drop-in takes it from its own kv_type.
+    # budget holds ~1.9x the cells; flash attention on). The drop-in sets it from its own kv_type.
     kv_type: str = "f16"
 
     def __post_init__(self) -> None:
@@ -122,6 +122,12 @@ class SessionSpec:
             self.sliding_share,
             self.keep,
         )
+
+    def cache_cells(self, model: str | Path, chunk: int, longest: int) -> tuple[int, int]:
+        """The cells of each cache (full-attention, sliding; 0: none) for this spec on ``model``: ``allocation``
+        on the model's layout with K and V of ``kv_type``. Sessions (``open_session``) and the drop-in (through
+        ``set_next_cache_cells``, as llama_cpp.Llama makes its own context) both size their caches with it."""
+        return self.allocation(model_layout(Path(model), self.kv_type), chunk, longest).cache_cells
 
     def config(self, layout: CacheLayout, chunk: int) -> ControllerConfig:
         return ControllerConfig(
@@ -207,7 +213,7 @@ def open_session(model: str | Path, spec: SessionSpec, longest: int, n_ubatch: i
     ``n_ubatch`` at a time, with K and V of ``spec.kv_type``, every cache exactly as ``spec.allocation`` says,
     with its controller."""
     engine_kw |= kv_type_config(spec.kv_type)
-    cells = spec.allocation(model_layout(Path(model), spec.kv_type), n_ubatch, longest).cache_cells
+    cells = spec.cache_cells(model, n_ubatch, longest)
     engine_kw.setdefault("swa_full", not cells[1])  # the sliding cache is sized exactly: no full-size copy
     config = EngineConfig(n_ctx=cells[0], n_batch=n_ubatch, n_ubatch=n_ubatch, cache_cells=cells, **engine_kw)
     return BoundedSession(spec, Engine(model, config))

@@ -12,8 +12,15 @@ from ahakv_local.evaluation import text_tokens
 
 
 def file_tokens(model: Path, path: str | Path, n: int | None = None) -> list[int]:
-    """The first ``n`` tokens (all with None) of a text file, BOS first."""
-    return text_tokens(model, Path(path).read_text(encoding="utf-8"))[:n]
+    """The first ``n`` tokens (all with None) of a text file, BOS first; "a+b+c" reads the files one after the
+    other, a blank line between (a document longer than any one license text, for 16K-token runs)."""
+    text = "\n\n".join(Path(p).read_text(encoding="utf-8") for p in str(path).split("+"))
+    return text_tokens(model, text)[:n]
+
+
+def text_name(path: str | Path) -> str:
+    """A text's short name for titles: its file name, "GPL-3+GPL-2" for files read one after the other."""
+    return "+".join(Path(p).name for p in str(path).split("+"))
 
 
 def command_line() -> str:

@@ -11,6 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
+from common import text_name  # benchmarks/ is the script's directory: sys.path[0]
+
 from ahakv_local.plots import plot_frontier
 
 
@@ -33,7 +35,7 @@ def main() -> None:
     if any((r["text"], r["tokens"], r["trimmed_bytes"]) != (first["text"], first["tokens"], first["trimmed_bytes"])
            for r in reports):  # fmt: skip
         raise SystemExit("the runs read different texts, lengths or trimmed caches: their rows do not compare")
-    title = f"{first['model']}, {first['tokens']} tokens of {Path(first['text']).name}"
+    title = f"{first['model']}, {first['tokens']} tokens of {text_name(first['text'])}"
     print(plot_frontier(rows, first["full_ppl"], first["trimmed_bytes"], Path(args.out), title))
 
 

@@ -15,7 +15,8 @@ import argparse
 import time
 from pathlib import Path
 
-from common import command_line, file_tokens, write_report  # benchmarks/ is the script's directory: sys.path[0]
+# benchmarks/ is the script's directory: sys.path[0]
+from common import command_line, file_tokens, text_name, write_report
 
 from ahakv_local.budget import Budget
 from ahakv_local.evaluation import evaluate
@@ -46,7 +47,7 @@ def layouts(spec: str, kv_types: str) -> list[tuple[str, str, float | None, str]
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
+    ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3", help='a file; "a+b": one after the other')
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--step", type=int, default=16)
     ap.add_argument("--n-ubatch", type=int, default=64)
@@ -107,7 +108,7 @@ def main() -> None:
         print(f"{policy}: {time.perf_counter() - t0:.0f} s", flush=True)
         write_report(report, out, table(report))
         plot_frontier(report["results"], report["full_ppl"], trimmed, out.with_suffix(".png"),
-                      f"{model.name}, {len(tokens)} tokens of {Path(args.text).name}")  # fmt: skip
+                      f"{model.name}, {len(tokens)} tokens of {text_name(args.text)}")  # fmt: skip
 
 
 def table(report: dict) -> str:
