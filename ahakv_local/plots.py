@@ -93,10 +93,13 @@ def plot_longdoc(trials: list[LongdocTrial], path: Path, title: str = "") -> Pat
     return path
 
 
+QUANT_MARKERS = {"q8_0": "s", "q5_0": "^", "q4_0": "v"}  # a frontier line's marker by its KV type (f16: "o")
+
+
 def plot_frontier(rows: list[dict], full_ppl: float, trimmed_bytes: int, path: Path, title: str = "") -> Path:
     """Perplexity and mean KL from the full cache against allocated KV bytes (benchmarks/layer_budgets.py):
     one line per policy and layer allocation (rows with "policy", "layer_budgets", "budget_bytes", "ppl",
-    "kl"; a layout named "shared..." is dashed, others solid, one whose name has "q8_0" square-marked), the full
+    "kl"; a layout named "shared..." is dashed, others solid, one ending in a quantized KV type marked by it), the full
     cache's perplexity and llama.cpp's trimmed cache's bytes as reference lines; a colour per policy, or per
     layout when the rows are of one policy."""
     fig, (ppl, kl) = plt.subplots(1, 2, figsize=(11, 4.5))
@@ -107,7 +110,8 @@ def plot_frontier(rows: list[dict], full_ppl: float, trimmed_bytes: int, path: P
         run = sorted((r for r in rows if (r["policy"], r["layer_budgets"]) == (policy, layers)),
                      key=lambda r: r["budget_bytes"])  # fmt: skip
         mib = [r["budget_bytes"] / 2**20 for r in run]
-        style = {"linestyle": "--" if layers.startswith("shared") else "-", "marker": "s" if "q8_0" in layers else "o",
+        marker = next((m for kv, m in QUANT_MARKERS.items() if layers.endswith(kv)), "o")
+        style = {"linestyle": "--" if layers.startswith("shared") else "-", "marker": marker,
                  "linewidth": 2.5 if policy == "ahakv" else 1.2}  # fmt: skip
         if hue in colours:
             style["color"] = colours[hue]

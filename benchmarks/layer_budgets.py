@@ -36,11 +36,13 @@ def trimmed_bytes(model: Path, n_tokens: int, n_ubatch: int) -> int:
 
 def layouts(spec: str, kv_types: str) -> list[tuple[str, str, float | None, str]]:
     """``--layouts`` x ``--kv-types`` as (label, layer budgets, sliding share, KV type): "natural@0.55" is natural
-    groups giving the sliding cache 0.55 of the bytes; a q8_0 layout's label ends in " q8_0"."""
+    groups giving the sliding cache 0.55 of the bytes; "natural:q5_0" is natural in q5_0 only (not crossed with
+    --kv-types); a quantized layout's label ends in its type, e.g. " q8_0"."""
     out = []
-    for kv in kv_types.split(","):
-        for item in spec.split(","):
-            lb, _, share = item.partition("@")
+    for item in spec.split(","):
+        item, _, only = item.partition(":")
+        lb, _, share = item.partition("@")
+        for kv in [only] if only else kv_types.split(","):
             out.append((item + ("" if kv == "f16" else f" {kv}"), lb, float(share) if share else None, kv))
     return out
 
@@ -53,8 +55,8 @@ def main() -> None:
     ap.add_argument("--n-ubatch", type=int, default=64)
     ap.add_argument("--policies", default="streaming,h2o,tova,snapkv,ahakv")
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="budgets: 1/F of the trimmed cache")
-    ap.add_argument("--layouts", default="shared,natural", help="shared, natural or natural@SHARE, comma-separated")
-    ap.add_argument("--kv-types", default="f16", help="f16 and/or q8_0 (K and V), comma-separated")
+    ap.add_argument("--layouts", default="shared,natural", help="shared, natural, natural@SHARE; LAYOUT:KV_TYPE")
+    ap.add_argument("--kv-types", default="f16", help="K and V types crossed with the layouts (f16,q8_0,q5_0,q4_0)")
     ap.add_argument("--out", default="benchmarks/layer_budgets.json")
     args = ap.parse_args()
     model = default_model_path()
@@ -80,7 +82,8 @@ def main() -> None:
                                            label=f"{policy}/{label}/{frac}")  # fmt: skip
                 specs[spec.label] = (spec, label, frac)
         # each quantized KV type once without eviction: what the quantization alone costs against the f16 full cache
-        floors = [SessionSpec(f"full {kv}", kv_type=kv) for kv in args.kv_types.split(",") if kv != "f16"]
+        quantized = dict.fromkeys(kv for *_, kv in layouts(args.layouts, args.kv_types) if kv != "f16")
+        floors = [SessionSpec(f"full {kv}", kv_type=kv) for kv in quantized]
         floors = [f for f in floors if f.label not in report]
         t0 = time.perf_counter()
         runs = [s for s, _, _ in specs.values()] + floors
