@@ -63,12 +63,12 @@ class SpeedRow:
 
 @dataclass
 class LongRow:
-    label: str  # "full" or "<policy>@<budget>"
+    label: str  # "full" (swa_full on), "trimmed" (off) or "<policy>@<budget>"
     context: int  # tokens read before the decode
     prompt_tps: float  # over the segment since the previous checkpoint
     decode_tps: float
     kv_cells_used: int
-    kv_bytes_used: int  # used cells x bytes per cell
+    kv_bytes_used: int  # each cache's used cells x its bytes per cell
     kv_bytes_allocated: int
 
 
@@ -269,11 +269,8 @@ def _long(
         decode_s = time.perf_counter() - t0
         advance(decode_tokens)
         done = ctx + decode_tokens
-        used, allocated = engine.n_used(), engine.kv_bytes()
-        per_cell = allocated // engine.n_cells()
-        rows.append(
-            LongRow(label, ctx, len(segment) / prompt_s, decode_tokens / decode_s, used, used * per_cell, allocated)
-        )
+        used, used_bytes, allocated = engine.n_used(), engine.kv_bytes_used(), engine.kv_bytes()
+        rows.append(LongRow(label, ctx, len(segment) / prompt_s, decode_tokens / decode_s, used, used_bytes, allocated))
     return rows
 
 
@@ -289,7 +286,8 @@ def long_run(
     n_gpu_layers: int = 0,
     progress: Callable[[str, int, int], None] = lambda label, n, total: None,
 ) -> list[LongRow]:
-    """The full cache and ``policy`` at ``budget`` read ``tokens`` to each checkpoint and decode there."""
+    """``policy`` at ``budget`` and the full cache, untrimmed and trimmed, read ``tokens`` to each checkpoint and
+    decode there."""
     last = checkpoints[-1] + decode_tokens
     if len(tokens) < last:
         raise ValueError(f"the long run needs {last} tokens of text, have {len(tokens)}")
@@ -304,12 +302,15 @@ def long_run(
     ) as llm:
         seen = [0]
         rows += _long(label, llm, tokens, checkpoints, decode_tokens, _counter(progress, label, last, seen))
-    full = llama_cpp.Llama(**_quiet(model, n_gpu_layers, n_ctx=last, n_batch=512))
-    try:
-        seen = [0]
-        rows += _long("full", full, tokens, checkpoints, decode_tokens, _counter(progress, "full", last, seen))
-    finally:
-        full.close()
+    # every position kept: llama-cpp-python's default (a full-size sliding cache), and llama.cpp's own tools
+    # (the sliding cache trimmed to its window)
+    for name, swa_full in (("full", True), ("trimmed", False)):
+        full = llama_cpp.Llama(**_quiet(model, n_gpu_layers, n_ctx=last, n_batch=512, swa_full=swa_full))
+        try:
+            seen = [0]
+            rows += _long(name, full, tokens, checkpoints, decode_tokens, _counter(progress, name, last, seen))
+        finally:
+            full.close()
     return rows
 
 

@@ -385,6 +385,14 @@ class Engine:
             return int(self.native.kv_bytes(self.ctx))
         return int(self.native.kv_bytes_cache(self.ctx, int(cache)))
 
+    def kv_bytes_used(self, cache: LayerCache | None = None) -> int:
+        """Bytes of the cells holding a position: in every cache, or in one (its bytes per cell x cells used)."""
+        total = 0
+        for c in self.caches if cache is None else [cache] if cache in self.layer_cache else []:
+            layer = self.layer_cache.index(c)
+            total += self.n_used(layer) * self.kv_bytes(c) // max(1, self.n_cells(layer))
+        return total
+
     def cache_layout(self) -> CacheLayout:
         """What laying out a budget needs (``budget.allocate``): the K+V bytes of one cell of each cache over all
         its layers (kv_bytes(cache) / its cells) and the sliding window (0 where the model has one cache)."""

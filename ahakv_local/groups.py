@@ -78,11 +78,7 @@ class LayerGroup:
 
     def used_bytes(self, engine: Engine) -> int:
         """K+V bytes of the cells its cache (the shared group: every cache) holds positions in."""
-        total = 0
-        for c in self.caches(engine):
-            layer = engine.layer_cache.index(c)
-            total += engine.n_used(layer) * engine.kv_bytes(c) // max(1, engine.n_cells(layer))
-        return total
+        return sum(engine.kv_bytes_used(c) for c in self.caches(engine))
 
 
 def make_groups(engine: Engine, policy: Policy, allocation: Allocation) -> list[LayerGroup]:

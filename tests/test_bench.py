@@ -31,18 +31,18 @@ def test_bench_speed_command_writes_every_output(fixture_model, tmp_path):
 
     long = [r for r in rows if r["table"] == "long"]
     assert [(r["label"], r["context"]) for r in long] == [
-        ("ahakv@64", 128), ("ahakv@64", 256), ("full", 128), ("full", 256)
+        ("ahakv@64", 128), ("ahakv@64", 256), ("full", 128), ("full", 256), ("trimmed", 128), ("trimmed", 256)
     ]  # fmt: skip
     per_token = read_info(fixture_model).kv_bytes_per_token()  # from the GGUF header, not the engine
     for r in long:
         assert r["kv_bytes_used"] == r["kv_cells_used"] * per_token
-        if r["label"] == "full":
+        if r["label"] in ("full", "trimmed"):
             assert r["kv_cells_used"] == r["context"] + 16  # every token read so far
         else:
             assert r["kv_cells_used"] <= 64 + 4 and r["kv_bytes_allocated"] < long[-1]["kv_bytes_allocated"]
     assert data["config"]["evict_every"] == 4 and data["config"]["model_sha256"]
     assert data["config"]["n_gpu_layers"] == 0  # -ngl: the layers every run offloads, recorded
-    assert (out / "results.csv").read_text().count("\n") == 1 + 8 + 4
+    assert (out / "results.csv").read_text().count("\n") == 1 + 8 + 6
     assert (out / "long_run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "## long run" in (out / "results.md").read_text()
 

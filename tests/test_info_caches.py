@@ -99,3 +99,20 @@ def test_info_command_prints_both_layouts(gemma_model):
     assert "layers         18 (3 full attention, 15 sliding window)" in proc.stdout
     assert "KV swa_full=True  576.0 MiB = full 96.0 MiB (32,768 cells x 3 layers) + sliding 480.0 MiB" in proc.stdout
     assert "KV swa_full=False 111.0 MiB = full 96.0 MiB (32,768 cells x 3 layers) + sliding 15.0 MiB" in proc.stdout
+
+
+@pytest.mark.parametrize("swa_full", [True, False])
+def test_used_bytes_count_each_caches_held_cells_at_its_own_price(swa_full):
+    """``Engine.kv_bytes_used`` (bench's long run, the groups' used bytes) against the cell maps and the header:
+    each cache's live positions x its bytes per cell. Trimmed (window 24: 256 cells, reused once full), the sliding
+    cache holds fewer positions than the full one after 300 tokens, so one price for all cells would be wrong."""
+    model = fixture_path(FixtureSpec(arch="gemma3"))
+    prices = {c.name: c.bytes // c.cells for c in read_info(model).caches(512, swa_full, 32)}
+    config = EngineConfig(n_ctx=512, n_batch=32, n_ubatch=32, swa_full=swa_full)
+    with Engine(model, config) as e:
+        e.decode(list(range(10, 310)))
+        names = {LayerCache.BASE: "full", LayerCache.SLIDING: "sliding"}
+        live = {names[c]: len(e.live_positions(e.layer_cache.index(c))) for c in e.caches}
+        assert live["full"] == 300 and (live["sliding"] < 300) == (not swa_full)
+        assert e.kv_bytes_used() == sum(live[n] * prices[n] for n in live)
+        assert e.kv_bytes_used(LayerCache.SLIDING) == live["sliding"] * prices["sliding"]
