@@ -278,7 +278,7 @@ def long_run(
     model: Path,
     tokens: list[int],
     checkpoints: list[int],
-    budget: int,
+    budget: int | str,
     policy: str = "ahakv",
     decode_tokens: int = 16,
     evict_every: int | None = None,

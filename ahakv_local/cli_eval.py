@@ -356,6 +356,11 @@ def bench_group() -> None:
 )
 @click.option("--long-policy", default="ahakv", show_default=True)
 @click.option(
+    "--long-budget",
+    default=None,
+    help="The long run's budget: cells, or bytes like 8MiB (all caches' K+V; default: --budget cells).",
+)
+@click.option(
     "--memory-context",
     type=click.IntRange(min=1),
     default=None,
@@ -374,6 +379,7 @@ def bench_speed(
     observe_steps,
     long_context,
     long_policy,
+    long_budget,
     memory_context,
     n_gpu_layers,
     out_dir,
@@ -382,16 +388,17 @@ def bench_speed(
     sliding-window cache trimmed (swa_full off, as llama-server) and each policy at the same live cells; a long
     run to the trained context, full cache vs budget; KV memory of each, also at --memory-context tokens."""
     from .bench import BATCH, engine_speed_at_budget, long_run, memory_at, speed_at_budget
+    from .budget import Budget, parse_schedule
     from .evaluation import text_tokens
     from .info import read_info
     from .report import write_speed_report
 
     path = _model(model)
     names = _policies(policies)
+    if long_budget is not None:
+        Budget.parse(long_budget)  # a bad one fails now, not after the speed runs
     files = list(text_files) or sorted(str(p) for p in LICENSES.iterdir() if not p.is_symlink())
     ids = text_tokens(path, "\n".join(_read(f) for f in files))
-    from .budget import parse_schedule
-
     evict_every, observe = parse_schedule(evict_every, observe_steps)
     if len(ids) < 2 * budget + decode_tokens:
         raise AhakvError(f"the text has {len(ids)} tokens; budget {budget} needs {2 * budget + decode_tokens}")
@@ -427,7 +434,7 @@ def bench_speed(
             path,
             ids,
             checkpoints,
-            budget,
+            long_budget or budget,
             long_policy,
             evict_every=evict_every,
             observe_steps=observe,

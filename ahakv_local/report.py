@@ -166,7 +166,7 @@ def write_speed_report(
             for r in long
         ]
         out.mkdir(parents=True, exist_ok=True)
-        plot_long_run(long, out / "long_run.png", f"{model.name}: full cache vs budget {app[0].budget}")
+        plot_long_run(long, out / "long_run.png", f"{model.name}: full cache vs {long[0].label}")
     fields = sorted({k for r in rows for k in r if k != "decode_runs"}, key=lambda k: (k != "table", k))
     _write(out, meta, rows, fields, lines)
     return lines

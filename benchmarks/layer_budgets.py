@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="budgets: 1/F of the trimmed cache")
     ap.add_argument("--layouts", default="shared,natural", help="shared, natural, natural@SHARE; LAYOUT:KV_TYPE")
     ap.add_argument("--kv-types", default="f16", help="K and V types crossed with the layouts (f16,q8_0,q5_0,q4_0)")
+    floors_help = "each quantized type once without eviction (a run as long as the full cache's)"
+    ap.add_argument("--floors", action=argparse.BooleanOptionalAction, default=True, help=floors_help)
     ap.add_argument("--out", default="benchmarks/layer_budgets.json")
     args = ap.parse_args()
     model = default_model_path()
@@ -83,7 +85,7 @@ def main() -> None:
                 specs[spec.label] = (spec, label, frac)
         # each quantized KV type once without eviction: what the quantization alone costs against the f16 full cache
         quantized = dict.fromkeys(kv for *_, kv in layouts(args.layouts, args.kv_types) if kv != "f16")
-        floors = [SessionSpec(f"full {kv}", kv_type=kv) for kv in quantized]
+        floors = [SessionSpec(f"full {kv}", kv_type=kv) for kv in quantized if args.floors]
         floors = [f for f in floors if f.label not in report]
         t0 = time.perf_counter()
         runs = [s for s, _, _ in specs.values()] + floors

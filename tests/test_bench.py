@@ -75,3 +75,26 @@ def test_report_script_runs_every_command_and_writes_results(tmp_path):
         "ppl-GPL-3.png",
         "ppl-MPL-1.1.png",
     ]
+
+
+def test_long_run_with_a_byte_budget_allocates_within_it(fixture_model, tmp_path):
+    """--long-budget in bytes: the budgeted rows allocate no more K+V bytes than it says, at every checkpoint."""
+    budget = 256 * read_info(fixture_model).kv_bytes_per_token()  # from the GGUF header: 256 cells
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ahakv_local", "bench", "speed", str(fixture_model), "--budget", "64",
+         "--policies", "ahakv", "--decode-tokens", "8", "--rounds", "1", "--long-context", "256,512",
+         "--long-budget", f"{budget}B", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    long = [r for r in json.loads((out / "results.json").read_text())["results"] if r["table"] == "long"]
+    budgeted = [r for r in long if r["label"] == f"ahakv@{budget}B"]
+    assert [r["context"] for r in budgeted] == [256, 512]
+    assert all(0 < r["kv_bytes_used"] <= r["kv_bytes_allocated"] <= budget for r in budgeted)
+    assert budgeted[-1]["kv_cells_used"] < 256  # it evicted: 512 positions read into fewer than 256 cells
+    bad = subprocess.run(
+        [sys.executable, "-m", "ahakv_local", "bench", "speed", str(fixture_model), "--long-budget", "8XB"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "8XB" in bad.stderr and "Traceback" not in bad.stderr
