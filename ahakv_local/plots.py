@@ -51,9 +51,11 @@ def plot_long_run(rows: list[LongRow], path: Path, title: str = "") -> Path:
     for label in dict.fromkeys(r.label for r in rows):
         run = [r for r in rows if r.label == label]
         x = [r.context for r in run]
-        mem.plot(x, [r.kv_bytes_used / 2**20 for r in run], marker="o", label=f"{label} (in use)")
-        mem.plot(x, [r.kv_bytes_allocated / 2**20 for r in run], linestyle=":", label=f"{label} (allocated)")
-        tps.plot(x, [r.decode_tps for r in run], marker="o", label=label)
+        (line,) = mem.plot(x, [r.kv_bytes_used / 2**20 for r in run], marker="o", label=f"{label} (in use)")
+        colour = line.get_color()  # one colour per run in both panels
+        allocated = [r.kv_bytes_allocated / 2**20 for r in run]
+        mem.plot(x, allocated, linestyle=":", color=colour, label=f"{label} (allocated)")
+        tps.plot(x, [r.decode_tps for r in run], marker="o", color=colour, label=label)
     for ax in (mem, tps):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
