@@ -302,15 +302,16 @@ def long_run(
     ) as llm:
         seen = [0]
         rows += _long(label, llm, tokens, checkpoints, decode_tokens, _counter(progress, label, last, seen))
-    # every position kept: llama-cpp-python's default (a full-size sliding cache), and llama.cpp's own tools
-    # (the sliding cache trimmed to its window)
-    for name, swa_full in (("full", True), ("trimmed", False)):
-        full = llama_cpp.Llama(**_quiet(model, n_gpu_layers, n_ctx=last, n_batch=512, swa_full=swa_full))
+    # every position kept, as the speed tables' baselines: llama-cpp-python's default (a full-size sliding cache;
+    # this table has always called it "full") and llama.cpp's own tools (the sliding cache trimmed to its window)
+    for baseline, swa_full in BASELINES.items():
+        name = "full" if baseline == "plain" else baseline
+        llm = llama_cpp.Llama(**_quiet(model, n_gpu_layers, n_ctx=last, n_batch=512, swa_full=swa_full))
         try:
             seen = [0]
-            rows += _long(name, full, tokens, checkpoints, decode_tokens, _counter(progress, name, last, seen))
+            rows += _long(name, llm, tokens, checkpoints, decode_tokens, _counter(progress, name, last, seen))
         finally:
-            full.close()
+            llm.close()
     return rows
 
 

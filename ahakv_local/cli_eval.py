@@ -138,7 +138,7 @@ def eval_group() -> None:
     type=click.Choice(KV_CACHE_TYPES),
     default="f16",
     show_default=True,
-    help="K and V type of the budgeted runs (q8_0, q4_0: flash attention on); the full cache compared with stays f16.",
+    help="K and V type of the budgeted runs (a quantized one: flash attention on); the full cache stays f16.",
 )
 @click.option("--out", "out_dir", default="eval-out", show_default=True, help="Folder for the outputs.")
 @rpc_option

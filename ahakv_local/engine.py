@@ -385,18 +385,19 @@ class Engine:
             return int(self.native.kv_bytes(self.ctx))
         return int(self.native.kv_bytes_cache(self.ctx, int(cache)))
 
+    def cell_bytes(self, cache: LayerCache) -> int:
+        """K+V bytes of one cell of ``cache`` over all its layers (kv_bytes(cache) / its cells)."""
+        return self.kv_bytes(cache) // max(1, self.cache_cells(cache))
+
     def kv_bytes_used(self, cache: LayerCache | None = None) -> int:
-        """Bytes of the cells holding a position: in every cache, or in one (its bytes per cell x cells used)."""
-        total = 0
-        for c in self.caches if cache is None else [cache] if cache in self.layer_cache else []:
-            layer = self.layer_cache.index(c)
-            total += self.n_used(layer) * self.kv_bytes(c) // max(1, self.n_cells(layer))
-        return total
+        """Bytes of the cells holding a position: in every cache, or in one (its cells used x cell_bytes)."""
+        caches = [c for c in self.caches if cache in (None, c)]
+        return sum(self.n_used(self.layer_cache.index(c)) * self.cell_bytes(c) for c in caches)
 
     def cache_layout(self) -> CacheLayout:
         """What laying out a budget needs (``budget.allocate``): the K+V bytes of one cell of each cache over all
-        its layers (kv_bytes(cache) / its cells) and the sliding window (0 where the model has one cache)."""
-        per_cell = {c: self.kv_bytes(c) // max(1, self.cache_cells(c)) for c in self.caches}
+        its layers and the sliding window (0 where the model has one cache)."""
+        per_cell = {c: self.cell_bytes(c) for c in self.caches}
         sliding = per_cell.get(LayerCache.SLIDING, 0)
         return CacheLayout(per_cell.get(LayerCache.BASE, 0), sliding, self.n_swa if sliding else 0)
 

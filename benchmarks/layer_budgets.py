@@ -64,6 +64,7 @@ def main() -> None:
     model = default_model_path()
     tokens = file_tokens(model, args.text, args.tokens)
     trimmed = trimmed_bytes(model, len(tokens), args.n_ubatch)
+    plan = layouts(args.layouts, args.kv_types)
     out = Path(args.out)
     report = {
         "command": command_line(),
@@ -79,13 +80,13 @@ def main() -> None:
         specs = {}
         for frac in map(int, args.fractions.split(",")):
             budget = Budget.parse(f"{trimmed // frac}B")
-            for label, lb, share, kv in layouts(args.layouts, args.kv_types):
+            for label, lb, share, kv in plan:
                 spec = SessionSpec.bounded(policy, budget, layer_budgets=lb, sliding_share=share, kv_type=kv,
                                            label=f"{policy}/{label}/{frac}")  # fmt: skip
                 specs[spec.label] = (spec, label, frac)
         # each quantized KV type once without eviction: what the quantization alone costs against the f16 full cache
-        quantized = dict.fromkeys(kv for *_, kv in layouts(args.layouts, args.kv_types) if kv != "f16")
-        floors = [SessionSpec(f"full {kv}", kv_type=kv) for kv in quantized if args.floors]
+        quantized = dict.fromkeys(kv for *_, kv in plan if kv != "f16") if args.floors else {}
+        floors = [SessionSpec(f"full {kv}", kv_type=kv) for kv in quantized]
         floors = [f for f in floors if f.label not in report]
         t0 = time.perf_counter()
         runs = [s for s, _, _ in specs.values()] + floors

@@ -98,3 +98,4 @@ def test_long_run_with_a_byte_budget_allocates_within_it(fixture_model, tmp_path
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode != 0 and "8XB" in bad.stderr and "Traceback" not in bad.stderr
+    assert "bench speed (generate)" not in bad.stderr  # refused before any speed run, not after minutes of them
