@@ -233,6 +233,24 @@ def allocate(
     return Allocation(layer_budgets, (budget, held), (base, sliding))
 
 
+# kv_type "auto": K and V in the type that measured best for the bytes (AhaKV, natural groups, KL from the full
+# cache at 4,096 tokens, benchmarks/RESULTS.md): f16 while the budget holds llama.cpp's whole trimmed cache (nothing
+# to evict: rounding would be the only change), q8_0 below it (at 1/2 and 1/4 of it: KL 3x and 4x lower than f16),
+# q5_0 below 1/Q5_0_BELOW of it (1.55x the cells of q8_0 win over its coarser rounding: chosen on LGPL-2.1 from 1/4,
+# 1/5, 1/6, 1/8, where the two tie in KL at 1/5; checked on GPL-3 and MPL-1.1 at 1/4 and 1/8, and at 16K)
+KV_TYPE_AUTO = "auto"
+Q5_0_BELOW = 5
+
+
+def kv_type_for(budget: Budget, trimmed_bytes: int) -> str:
+    """The K/V type ``kv_type="auto"`` spends ``budget`` in, for a sequence whose llama.cpp trimmed cache (f16,
+    ``ModelInfo.trimmed_bytes``) is ``trimmed_bytes``. Only a byte budget is spent in a smaller type: a cell or
+    ratio budget names cells, which a smaller type would only round."""
+    if budget.mode != "bytes" or budget.value >= trimmed_bytes:
+        return "f16"
+    return "q8_0" if budget.value * Q5_0_BELOW >= trimmed_bytes else "q5_0"
+
+
 def default_evict_every(budget: Budget, n_sink: int = 4, n_recent: int = 32) -> int:
     """The eviction period the product uses: 32 decode steps, observed on the last one (tapping every
     step costs a third of the decode speed; see benchmarks/RESULTS.md), shorter for a budget too

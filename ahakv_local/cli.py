@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .budget import LAYER_BUDGETS
+from .budget import KV_TYPE_AUTO, LAYER_BUDGETS
 from .cli_eval import n_gpu_layers_option, rpc_option, threads_option
 from .errors import AhakvError
 from .extras import require
@@ -148,11 +148,12 @@ def engine_options(f):
         ),
         click.option(
             "--kv-type",
-            type=click.Choice(KV_CACHE_TYPES),
-            default="f16",
+            type=click.Choice((KV_TYPE_AUTO, *KV_CACHE_TYPES)),
+            default=KV_TYPE_AUTO,
             show_default=True,
             envvar="AHAKV_KV_TYPE",
-            help="KV cache type of K and V (q8_0 about half the bytes of f16, q4_0 a quarter; flash attention on).",
+            help="KV cache type of K and V (q8_0 about half the bytes of f16, q4_0 a quarter; flash attention on). "
+            "auto: f16, except a byte budget below llama.cpp's trimmed cache: q8_0, below a fifth of it q5_0.",
         ),
         click.option(
             "--reading",
@@ -310,7 +311,7 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
         click.echo(
             f"prompt {s.prompt_tokens} tok at {s.prompt_tps:.1f} t/s | generated {s.sampled_tokens} tok at "
             f"{s.generation_tps:.1f} t/s | cache {s.cells_used}/{budget} cells ({s.kv_cells} allocated, "
-            f"{s.kv_bytes / 2**20:.1f} MiB KV) | seen {s.tokens_seen} | evicted {s.evicted}"
+            f"{s.kv_bytes / 2**20:.1f} MiB KV, {s.kv_type}) | seen {s.tokens_seen} | evicted {s.evicted}"
             + "".join(f" | {g} {u / 2**20:.2f}/{a / 2**20:.2f} MiB" for g, (a, u) in s.kv_group_bytes.items()),
             err=True,
         )

@@ -89,8 +89,8 @@ def _cells(budgets: str, n_tokens: int, floor: int) -> list[int]:
     cells = []
     for text in budgets.split(","):
         budget = Budget.parse(text)
-        if budget.mode == "auto":
-            raise AhakvError("evaluation budgets are cells or fractions of the text, not 'auto'")
+        if budget.mode in ("auto", "bytes"):
+            raise AhakvError(f"evaluation budgets are cells or fractions of the text, not {text!r}")
         target = budget.target(n_tokens)
         cells.append(target if budget.mode == "cells" else max(floor, target))
     return cells

@@ -81,6 +81,16 @@ class ModelInfo:
             out.append(CacheSize("sliding", self.n_layer_swa, cells, self.cell_bytes(self.n_layer_swa, type_k, type_v)))
         return out
 
+    def stores(self, kv_type: str) -> bool:
+        """Whether each head's K and V rows hold whole blocks of ``kv_type`` (``check_kv_types`` without the error)."""
+        block = KV_TYPES[kv_type][2]
+        return self.head_dim_k % block == 0 and self.head_dim_v % block == 0
+
+    def trimmed_bytes(self, n_ctx: int, n_ubatch: int = 512) -> int:
+        """K+V bytes (f16) llama.cpp's own tools allocate for ``n_ctx`` positions: every cache, the sliding one
+        trimmed to its window (swa_full off). The baseline a byte budget is a fraction of."""
+        return sum(c.bytes for c in self.caches(n_ctx, swa_full=False, n_ubatch=n_ubatch))
+
 
 @dataclass(frozen=True)
 class CacheSize:

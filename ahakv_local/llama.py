@@ -31,7 +31,7 @@ import llama_cpp
 import numpy as np
 
 from . import native, rpc, upstream
-from .budget import QUERY_TOKENS, Budget
+from .budget import KV_TYPE_AUTO, QUERY_TOKENS, Budget
 from .controller import ControllerStats, KVController
 from .engine import Engine, kv_type_params
 from .errors import AhakvError
@@ -110,6 +110,7 @@ class KVStats:
     guide_tokens: int = 0  # tokens decoded to guide long prompts' readings (a question behind each chunk), all told
     # by layer group ("shared", or "base" and "sliding"): [allocated, used] K+V bytes
     kv_group_bytes: dict[str, list[int]] = field(default_factory=dict)
+    kv_type: str = "f16"  # of K and V (kv_type "auto": the type it decided)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -154,10 +155,11 @@ class Llama(llama_cpp.Llama):
         self._kv_query_default = kv_query
         self._kv_guide = None  # what the next prompt is read with (set per request)
         self._chat_question: str | None = None
-        if kv_type is not None:  # K and V of that type (q8_0: flash attention on)
-            kwargs.update(kv_type_params(kv_type, kwargs.get("flash_attn")))
-            check_kv_types(read_info(Path(model_path)), kv_type, kv_type)
+        if kv_type == KV_TYPE_AUTO and kwargs.get("flash_attn") is False:
+            kv_type = "f16"  # a quantized V needs flash attention
         if kv_budget is None:
+            if kv_type not in (None, KV_TYPE_AUTO):  # "auto" spends a budget: without one, f16 as by default
+                self._use_kv_type(model_path, kv_type, kwargs)
             check_cells(model_path, n_ctx, None)
             self._load(model_path, n_ctx=n_ctx, n_batch=n_batch, **kwargs)
             self._kv_engine = Engine.attach(self)
@@ -186,12 +188,15 @@ class Llama(llama_cpp.Llama):
         if kwargs.get("logits_all"):
             raise AhakvError("logits_all keeps a row of logits per position; it cannot be combined with kv_budget")
         n_batch = min(n_batch, n_ctx) if budget.mode != "cells" else n_batch
+        chunk = min(kwargs.get("n_ubatch", 512), n_batch)
+        spec = spec.on_model(model_path, chunk, n_ctx)  # kv_type "auto": decided for n_ctx positions
+        if kv_type is not None:
+            self._use_kv_type(model_path, spec.kv_type, kwargs)
         cells = n_ctx  # a shared ratio or auto budget: the caller's n_ctx bounds the cells
         if budget.mode in ("bytes", "cells") or kv_layer_budgets != "shared":
             # every cache sized exactly as the budget is laid out on the layer groups (budget.allocate), not padded
             # to 256 cells: no cell past them is allocated or scanned by attention once evictions scatter the live
             # ones over the buffer
-            chunk = min(kwargs.get("n_ubatch", 512), n_batch)
             sizes = spec.cache_cells(model_path, chunk, n_ctx)
             cells = sizes[0]
             kwargs.setdefault("swa_full", not sizes[1])
@@ -208,6 +213,13 @@ class Llama(llama_cpp.Llama):
         self._kv_reuse_compressed = kv_reuse_compressed
         # positions, not cells, bound a sequence now: the trained context
         upstream.set_position_bound(self, engine.n_ctx_train)
+
+    @staticmethod
+    def _use_kv_type(model_path: str, kv_type: str, kwargs: dict) -> None:
+        """llama_cpp.Llama's arguments for K and V of ``kv_type`` (a quantized one: flash attention on), checked
+        against the model."""
+        kwargs.update(kv_type_params(kv_type, kwargs.get("flash_attn")))
+        check_kv_types(read_info(Path(model_path)), kv_type, kv_type)
 
     def _load(self, model_path: str, **kwargs) -> None:
         """llama_cpp.Llama's constructor, with the model on the RPC workers and the repacking asked for."""
@@ -428,4 +440,5 @@ class Llama(llama_cpp.Llama):
             sampled_tokens=t["sampled"],
             guide_tokens=stats.guide_tokens,
             kv_group_bytes={k: list(v) for k, v in self._kv.group_bytes().items()} if self._kv is not None else {},
+            kv_type=engine.config.type_k,
         )

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
 from .budget import (
+    KV_TYPE_AUTO,
     LAYER_BUDGETS,
     NO_EVICTION,
     Allocation,
@@ -27,11 +28,12 @@ from .budget import (
     allocate,
     default_evict_every,
     guide_room,
+    kv_type_for,
 )
 from .controller import ControllerConfig, KVController, Reconstruct
 from .engine import Engine, EngineConfig, kv_type_config
 from .errors import AhakvError
-from .info import check_kv_cache_type
+from .info import check_kv_cache_type, read_info
 from .policies import Policy, make_policy
 
 # what the reconstruction pass reads behind each chunk before the chunk itself again (KVzip's repeat prompt)
@@ -60,7 +62,8 @@ class SessionSpec:
     layer_budgets: LayerBudgets = "shared"
     sliding_share: float | None = None  # natural, a byte budget: the sliding cache's share (None: its window)
     # K and V cache type of the engine ``open_session`` opens (q8_0: about half the bytes of f16 a cell, so a byte
-    # budget holds ~1.9x the cells; flash attention on). The drop-in sets it from its own kv_type.
+    # budget holds ~1.9x the cells; flash attention on), or "auto": the type the budget measured best in, decided
+    # once the model and the sequence's length are known (``on_model``). The drop-in sets it from its own kv_type.
     kv_type: str = "f16"
 
     def __post_init__(self) -> None:
@@ -71,7 +74,8 @@ class SessionSpec:
             raise AhakvError(f"reading must be plain, query or reconstruct, not {self.reading!r}")
         if self.layer_budgets not in LAYER_BUDGETS:
             raise AhakvError(f"layer budgets must be {' or '.join(LAYER_BUDGETS)}, not {self.layer_budgets!r}")
-        check_kv_cache_type(self.kv_type)
+        if self.kv_type != KV_TYPE_AUTO:
+            check_kv_cache_type(self.kv_type)
 
     @classmethod
     def bounded(cls, policy: str, budget: Budget | str | int | float, **kw) -> SessionSpec:
@@ -123,11 +127,23 @@ class SessionSpec:
             self.keep,
         )
 
+    def on_model(self, model: str | Path, chunk: int, longest: int) -> SessionSpec:
+        """This spec for a sequence of at most ``longest`` tokens of ``model`` read ``chunk`` at a time: kv_type
+        "auto" decided from the budget and llama.cpp's trimmed cache for that length (``budget.kv_type_for``;
+        f16 where the model's heads cannot be stored in the type chosen); any other spec as it is."""
+        if self.kv_type != KV_TYPE_AUTO:
+            return self
+        info = read_info(Path(model))
+        chosen = kv_type_for(self.budget, info.trimmed_bytes(longest, chunk))
+        return replace(self, kv_type=chosen if info.stores(chosen) else "f16")  # heads too narrow: f16
+
     def cache_cells(self, model: str | Path, chunk: int, longest: int) -> tuple[int, int]:
         """The cells of each cache (full-attention, sliding; 0: none) for this spec on ``model``: ``allocation``
-        on the model's layout with K and V of ``kv_type``. Sessions (``open_session``) and the drop-in (through
-        ``set_next_cache_cells``, as llama_cpp.Llama makes its own context) both size their caches with it."""
-        return self.allocation(model_layout(Path(model), self.kv_type), chunk, longest).cache_cells
+        on the model's layout with K and V of ``kv_type`` ("auto": decided by ``on_model``). Sessions
+        (``open_session``) and the drop-in (through ``set_next_cache_cells``, as llama_cpp.Llama makes its own
+        context) both size their caches with it."""
+        spec = self.on_model(model, chunk, longest)
+        return spec.allocation(model_layout(Path(model), spec.kv_type), chunk, longest).cache_cells
 
     def config(self, layout: CacheLayout, chunk: int) -> ControllerConfig:
         return ControllerConfig(
@@ -211,7 +227,8 @@ def model_layout(model: Path, kv_type: str = "f16") -> CacheLayout:
 def open_session(model: str | Path, spec: SessionSpec, longest: int, n_ubatch: int = 64, **engine_kw) -> BoundedSession:
     """An engine for ``model`` sized for ``spec`` over a sequence of at most ``longest`` tokens read
     ``n_ubatch`` at a time, with K and V of ``spec.kv_type``, every cache exactly as ``spec.allocation`` says,
-    with its controller."""
+    with its controller. A spec with kv_type "auto" runs in the type decided for ``longest`` (``on_model``)."""
+    spec = spec.on_model(model, n_ubatch, longest)
     engine_kw |= kv_type_config(spec.kv_type)
     cells = spec.cache_cells(model, n_ubatch, longest)
     engine_kw.setdefault("swa_full", not cells[1])  # the sliding cache is sized exactly: no full-size copy

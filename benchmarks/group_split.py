@@ -17,11 +17,11 @@ import argparse
 from pathlib import Path
 
 from common import command_line, file_tokens, write_report  # benchmarks/ is the script's directory: sys.path[0]
-from layer_budgets import trimmed_bytes
 
 from ahakv_local.budget import Budget
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.evaluation import evaluate
+from ahakv_local.info import read_info
 from ahakv_local.models import default_model_path
 from ahakv_local.session import SessionSpec
 
@@ -41,7 +41,7 @@ def main() -> None:
     tokens = file_tokens(model, args.text, args.tokens)
     with Engine(model, EngineConfig(n_ctx=256)) as e:
         layout = e.cache_layout()
-    trimmed = trimmed_bytes(model, len(tokens), args.n_ubatch)
+    trimmed = read_info(model).trimmed_bytes(len(tokens), args.n_ubatch)
     report = {"command": command_line(), "model": model.name,
               "text": args.text, "tokens": len(tokens), "trimmed_bytes": trimmed, "rows": []}  # fmt: skip
     out = Path(args.out)

@@ -28,12 +28,6 @@ from ahakv_local.session import SessionSpec
 FRACTIONS = (2, 4, 8)
 
 
-def trimmed_bytes(model: Path, n_tokens: int, n_ubatch: int) -> int:
-    """K+V bytes llama.cpp itself allocates for n_tokens with the sliding cache trimmed to its window (from the
-    GGUF header: ``ModelInfo.caches``, equal to the engine's allocation in tests/test_info_caches.py)."""
-    return sum(c.bytes for c in read_info(model).caches(n_tokens, swa_full=False, n_ubatch=n_ubatch))
-
-
 def layouts(spec: str, kv_types: str) -> list[tuple[str, str, float | None, str]]:
     """``--layouts`` x ``--kv-types`` as (label, layer budgets, sliding share, KV type): "natural@0.55" is natural
     groups giving the sliding cache 0.55 of the bytes; "natural:q5_0" is natural in q5_0 only (not crossed with
@@ -63,7 +57,7 @@ def main() -> None:
     args = ap.parse_args()
     model = default_model_path()
     tokens = file_tokens(model, args.text, args.tokens)
-    trimmed = trimmed_bytes(model, len(tokens), args.n_ubatch)
+    trimmed = read_info(model).trimmed_bytes(len(tokens), args.n_ubatch)
     plan = layouts(args.layouts, args.kv_types)
     out = Path(args.out)
     report = {

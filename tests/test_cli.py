@@ -107,7 +107,7 @@ def test_generate_holds_the_budget_and_reports(fixture_model):
     assert proc.returncode == 0, proc.stderr
     m = re.search(
         r"prompt (\d+) tok at [\d.]+ t/s \| generated (\d+) tok at [\d.]+ t/s \| cache (\d+)/(\d+) cells "
-        r"\((\d+) allocated, [\d.]+ MiB KV\) \| seen (\d+) \| evicted (\d+)",
+        r"\((\d+) allocated, [\d.]+ MiB KV, f16\) \| seen (\d+) \| evicted (\d+)",
         proc.stderr,
     )
     assert m, proc.stderr

@@ -296,3 +296,71 @@ def test_eval_ppl_with_kv_type(gemma_model, tmp_path):
     per_cell = info.cell_bytes(info.n_layer, "q8_0", "q8_0")  # shared: every cache holds the same cells
     assert run["kv_bytes"] % per_cell == 0 and run["kv_bytes"] // per_cell >= 96
     assert 0 < run["kl"] < 5  # a model guessing uniformly over Gemma's 262,144 tokens is ~12.5 nats off: 5 is not that
+
+
+def trimmed_kv_bytes(model, n_ctx: int, n_ubatch: int) -> int:
+    """What llama.cpp itself allocates for ``n_ctx`` positions with the sliding cache trimmed (swa_full off), read
+    from the engine's buffers: the reference for ``ModelInfo.trimmed_bytes``, which reads the GGUF header."""
+    with Engine(model, EngineConfig(n_ctx=n_ctx, n_batch=n_ubatch, n_ubatch=n_ubatch, swa_full=False)) as e:
+        return sum(e.kv_bytes(c) for c in e.caches)
+
+
+def test_auto_kv_type_spends_a_byte_budget_by_its_share_of_the_trimmed_cache(gemma_model, fixture_model):
+    """kv_type "auto" (``SessionSpec.on_model``, ``budget.kv_type_for``): a byte budget holding llama.cpp's whole
+    trimmed cache stays f16, one below it is q8_0, one below a fifth of it q5_0 (the crossings measured in
+    benchmarks/RESULTS.md); cell and ratio budgets stay f16; a model whose heads hold no whole q8_0 block stays f16.
+    ``open_session`` opens the type decided, flash attention on, within the budget."""
+    from ahakv_local.session import SessionSpec, open_session
+
+    n_ctx, chunk = 4096, 64
+    trimmed = trimmed_kv_bytes(gemma_model, n_ctx, chunk)
+    assert read_info(gemma_model).trimmed_bytes(n_ctx, chunk) == trimmed
+
+    def decided(budget: str, model=gemma_model) -> str:
+        spec = SessionSpec.bounded("ahakv", budget, kv_type="auto", layer_budgets="natural")
+        return spec.on_model(model, chunk, n_ctx).kv_type
+
+    assert decided(f"{trimmed}B") == "f16"
+    fifth = -(-trimmed // 5)  # the least budget of a fifth of it or more
+    assert decided(f"{trimmed - 1}B") == decided(f"{trimmed // 2}B") == decided(f"{fifth}B") == "q8_0"
+    assert decided(f"{fifth - 1}B") == decided(f"{trimmed // 8}B") == "q5_0"
+    assert decided("256") == decided("25%") == "f16"
+    assert decided("64KiB", fixture_model) == "f16"  # 16-wide heads: no q5_0 block of 32
+    for fraction, kv_type in ((2, "q8_0"), (8, "q5_0")):
+        spec = SessionSpec.bounded("ahakv", f"{trimmed // fraction}B", kv_type="auto", layer_budgets="natural")
+        with open_session(gemma_model, spec, n_ctx, chunk) as s:
+            e = s.engine
+            assert (e.config.type_k, e.config.type_v, e.config.flash_attn) == (kv_type, kv_type, True)
+            assert s.spec.kv_type == kv_type
+            allocated = sum(e.kv_bytes(c) for c in e.caches)  # the bytes spent, less than a cell left over
+            assert trimmed // fraction - max(e.cell_bytes(c) for c in e.caches) < allocated <= trimmed // fraction
+
+
+def test_the_drop_in_and_generate_decide_auto_kv_type(gemma_model):
+    """``Llama(kv_type="auto")`` decides for its n_ctx positions (q5_0 at an eighth of the trimmed cache; f16 without
+    a budget, or with flash attention turned off); ``generate`` does so by default and says which in --stats."""
+    import subprocess
+    import sys
+
+    from ahakv_local import Llama
+
+    n_ctx, chunk = 4096, 64
+    trimmed = trimmed_kv_bytes(gemma_model, n_ctx, chunk)
+    kw = dict(kv_type="auto", kv_layer_budgets="natural", n_ctx=n_ctx, n_batch=chunk, verbose=False)
+    with Llama(str(gemma_model), kv_budget=f"{trimmed // 8}B", **kw) as llm:
+        assert llm.kv_stats().kv_type == llm.kv_engine.config.type_v == "q5_0"
+    with Llama(str(gemma_model), **kw) as llm:
+        assert llm.kv_stats().kv_type == "f16"
+    with Llama(str(gemma_model), kv_budget=f"{trimmed // 2}B", flash_attn=False, **kw) as llm:
+        assert llm.kv_stats().kv_type == "f16" and not llm.kv_engine.config.flash_attn
+
+    def stats_line(*args: str) -> str:
+        cmd = [sys.executable, "-m", "ahakv_local", "generate", str(gemma_model), "-p", "The GNU General Public",
+               "-n", "4", "--ctx-size", str(n_ctx), "--budget", f"{trimmed // 2}B", "--layer-budgets", "natural",
+               "--stats", *args]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stderr
+
+    assert "MiB KV, q8_0)" in stats_line()
+    assert "MiB KV, f16)" in stats_line("--kv-type", "f16")
