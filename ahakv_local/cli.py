@@ -157,12 +157,13 @@ def engine_options(f):
         ),
         click.option(
             "--reading",
-            type=click.Choice(["query", "plain", "reconstruct"]),
+            type=click.Choice(["query", "plain", "reconstruct", "surprisal"]),
             default="query",
             show_default=True,
             envvar="AHAKV_READING",
             help="How a prompt longer than the budget is read: guided by its question (ahakv, snapkv, tova), "
-            "by the policy alone, or question-agnostic by reconstruction (about 2x the prompt time).",
+            "by the policy alone, or question-agnostic: by reconstruction (about 2x the prompt time) or by each "
+            "phrase's surprisal (the logits of every prompt token).",
         ),
     ]
     for option in reversed(options):

@@ -256,7 +256,7 @@ def eval_needle(
     "--reading",
     default="plain,query,reconstruct",
     show_default=True,
-    help="How the prompt is read: plain, query (guided by the question), reconstruct (question-agnostic).",
+    help="How the prompt is read: plain, query (guided by the question), reconstruct or surprisal (question-agnostic).",
 )
 @click.option("--trials", default=1, show_default=True, help="Items per task, length and depth.")
 @click.option("--seed", default=0, show_default=True)
@@ -281,8 +281,10 @@ def eval_longdoc(
     if unknown or not task_list:
         raise AhakvError(f"unknown task {','.join(unknown)!r}; choose from {', '.join(TASKS)}")
     readings = [r.strip() for r in reading.split(",") if r.strip()]
-    if not readings or any(r not in ("plain", "query", "reconstruct") for r in readings):
-        raise AhakvError(f"--reading takes plain, query and reconstruct, comma-separated, not {reading!r}")
+    from .session import READINGS
+
+    if not readings or any(r not in READINGS for r in readings):
+        raise AhakvError(f"--reading takes {', '.join(READINGS)}, comma-separated, not {reading!r}")
     lens, deps = _lengths_and_depths(lengths, depths)
     if min(lens) < 64:
         raise AhakvError(f"a length must be at least 64 tokens, not {min(lens)}")

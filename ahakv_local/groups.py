@@ -34,7 +34,8 @@ class LayerGroup:
     live: np.ndarray  # int64 positions ascending: the native cell map of its cache
     window: int = 0  # its layers see the last ``window`` positions (0: every position)
     obs: Observation | None = None  # the last observation, aligned with ``live``
-    best: np.ndarray = field(default_factory=lambda: np.zeros(0))  # Reconstruct: best score by position
+    # a question-agnostic reading's score by position (Reconstruct: each position's best; Surprisal: its own)
+    best: np.ndarray = field(default_factory=lambda: np.zeros(0))
     decided: int | None = None  # the cells of its last eviction target (auto: the error model's decision)
     evicted: int = 0  # positions it evicted
 
@@ -42,6 +43,11 @@ class LayerGroup:
     def map_layer(self) -> int | None:
         """A layer reading its cache (None: the engine's base layer)."""
         return None if self.layers is None else int(self.layers[0])
+
+    def grow_best(self, end: int) -> None:
+        """Room in ``best`` for positions below ``end`` (doubling: a long read grows it in few copies)."""
+        if self.best.size < end:
+            self.best = np.concatenate([self.best, np.zeros(max(end - self.best.size, self.best.size))])
 
     def read_live(self, engine: Engine) -> np.ndarray:
         return engine.live_positions(self.map_layer).astype(np.int64)

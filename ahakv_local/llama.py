@@ -36,7 +36,7 @@ from .controller import ControllerStats, KVController
 from .engine import Engine, kv_type_params
 from .errors import AhakvError
 from .info import check_kv_types, read_info
-from .session import SessionSpec, guide
+from .session import QUESTION_AGNOSTIC, SessionSpec, guide
 
 
 class Stopped(Exception):
@@ -150,8 +150,8 @@ class Llama(llama_cpp.Llama):
         # client left, or the process's, without reaching into llama-cpp-python's generation loop
         self.should_stop: Callable[[], bool] = lambda: False
         self._timing = {"prompt_tokens": 0, "prompt_s": 0.0, "gen_tokens": 0, "gen_s": 0.0, "sampled": 0}
-        if kv_query not in (True, False, "reconstruct"):
-            raise AhakvError(f"kv_query must be True, False or 'reconstruct', not {kv_query!r}")
+        if kv_query not in (True, False, *QUESTION_AGNOSTIC):
+            raise AhakvError(f"kv_query must be True, False, 'reconstruct' or 'surprisal', not {kv_query!r}")
         self._kv_query_default = kv_query
         self._kv_guide = None  # what the next prompt is read with (set per request)
         self._chat_question: str | None = None
@@ -169,7 +169,7 @@ class Llama(llama_cpp.Llama):
         budget = Budget.parse(kv_budget, min_ratio=kv_min_ratio, max_ratio=kv_max_ratio, error_tol=kv_error_tol)
         # the reading its cells leave room for: a chat over documents (kv_reuse_compressed) reads them
         # question-agnostically (/read), which needs a reconstruction pass's room, more than a question's
-        reading = {True: "query", "reconstruct": "reconstruct"}.get(kv_query, "plain")
+        reading = "query" if kv_query is True else kv_query or "plain"
         if kv_reuse_compressed and reading == "query":
             reading = "reconstruct"
         # an unknown policy or a policy without a budget fails here, before the model loads
@@ -253,12 +253,12 @@ class Llama(llama_cpp.Llama):
 
     def set_kv_query(self, query: bool | str | None, prompt: str | Sequence[int] | None = None) -> None:
         """Set what the next prompt is read with: a question's text, True (the last paragraph of ``prompt``),
-        "reconstruct", or False / None (plainly)."""
+        "reconstruct" or "surprisal" (question-agnostic), or False / None (plainly)."""
         if self._kv is None or not query:
             self._kv_guide = None
             return
-        if query == "reconstruct":
-            self._kv_guide = guide("reconstruct", None, self._kv_engine)
+        if query in QUESTION_AGNOSTIC:
+            self._kv_guide = guide(query, None, self._kv_engine)
             return
         if query is True:
             if prompt is None:

@@ -21,7 +21,7 @@ from .controller import ControllerStats, Reconstruct, step_batch
 from .engine import Engine
 from .errors import AhakvError
 from .policies import Policy, make_policy
-from .session import SessionSpec, guide
+from .session import QUESTION_AGNOSTIC, SessionSpec, guide
 
 TOP_K = 40  # llama-cpp-python's default for completions
 
@@ -244,8 +244,8 @@ def prompt_of(engine: Engine, kind: str, payload, kv_query, default_query) -> tu
         tokens, stop = engine.tokenize(payload, add_bos=True, special=True), []
         question = next((p for p in reversed(payload.split("\n\n")) if p.strip()), None)
     query = default_query if kv_query is None else kv_query
-    if query == "reconstruct":
-        return tokens, stop, guide("reconstruct", None, engine)
+    if query in QUESTION_AGNOSTIC:
+        return tokens, stop, guide(query, None, engine)
     if query is True:
         query = question
     if not query:

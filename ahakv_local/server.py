@@ -63,7 +63,8 @@ class KVFields(BaseModel):
     kv_budget: int | float | str | None = None
     kv_policy: str | None = None
     # the question a prompt longer than the budget is read with: text, true (chat: the last user message;
-    # completion: the prompt's last paragraph), false (plainly) or "reconstruct"; null: the server's default
+    # completion: the prompt's last paragraph), false (plainly), "reconstruct" or "surprisal" (no question);
+    # null: the server's default
     kv_query: bool | str | None = None
 
 

@@ -30,7 +30,7 @@ from .budget import (
     guide_room,
     kv_type_for,
 )
-from .controller import ControllerConfig, KVController, Reconstruct
+from .controller import ControllerConfig, KVController, Reconstruct, Surprisal
 from .engine import Engine, EngineConfig, kv_type_config
 from .errors import AhakvError
 from .info import check_kv_cache_type, read_info
@@ -38,7 +38,9 @@ from .policies import Policy, make_policy
 
 # what the reconstruction pass reads behind each chunk before the chunk itself again (KVzip's repeat prompt)
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
-Reading = Literal["plain", "query", "reconstruct"]
+Reading = Literal["plain", "query", "reconstruct", "surprisal"]
+READINGS: tuple[str, ...] = ("plain", "query", "reconstruct", "surprisal")
+QUESTION_AGNOSTIC: tuple[str, ...] = ("reconstruct", "surprisal")  # readings no question guides
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ class SessionSpec:
     observe_steps: int | None = 1  # None: observe every decode step
     pinned: tuple[int, int] | None = None
     # how a prompt longer than the budget is read: compressed by the policy alone, guided by the question,
-    # or question-agnostic by reconstruction (policies that cannot be guided read plainly)
+    # or question-agnostic by reconstruction (policies that cannot be guided read plainly) or by surprisal (any)
     reading: Reading = "plain"
     # how the budget is laid out on the layers (budget.allocate): one pool for every layer, or one per cache
     layer_budgets: LayerBudgets = "shared"
@@ -70,8 +72,8 @@ class SessionSpec:
         policy = self.make_policy()  # an unknown policy or parameter fails here, before any model loads
         if policy.evicts and not self.budget.evicts:
             raise AhakvError(f"policy {self.policy} evicts: give it a budget (the full cache keeps everything)")
-        if self.reading not in ("plain", "query", "reconstruct"):
-            raise AhakvError(f"reading must be plain, query or reconstruct, not {self.reading!r}")
+        if self.reading not in READINGS:
+            raise AhakvError(f"reading must be {', '.join(READINGS)}, not {self.reading!r}")
         if self.layer_budgets not in LAYER_BUDGETS:
             raise AhakvError(f"layer budgets must be {' or '.join(LAYER_BUDGETS)}, not {self.layer_budgets!r}")
         if self.kv_type != KV_TYPE_AUTO:
@@ -207,12 +209,16 @@ class BoundedSession:
         self.close()
 
 
-def guide(reading: Reading, question: Sequence[int] | None, engine: Engine) -> Sequence[int] | Reconstruct | None:
+def guide(
+    reading: Reading, question: Sequence[int] | None, engine: Engine
+) -> Sequence[int] | Reconstruct | Surprisal | None:
     """What ``KVController.prefill`` is guided by in this reading mode."""
     if reading == "query":
         return question or None
     if reading == "reconstruct":
         return Reconstruct(tuple(engine.tokenize(REPEAT_PROMPT, add_bos=False)))
+    if reading == "surprisal":
+        return Surprisal()
     return None
 
 

@@ -187,6 +187,11 @@ def test_the_drop_in_reads_a_long_prompt_with_its_question(fixture_model, licens
         llm.create_completion(f"{document}\n\nThe version is", max_tokens=2, temperature=0, kv_query="Which?")
         assert seen and all(q == llm.tokenize(b"Which?", add_bos=False) for q in seen)
         assert np.array_equal(llm.kv_engine.live_positions(), ctl.live)
+        seen.clear()
+        other = license_text[2500:5000]  # no prefix in common with the cache: read from the start
+        llm.create_completion(f"{other}\n\nThe version is", max_tokens=2, temperature=0, kv_query="surprisal")
+        assert seen == [] and ctl.groups[0].best[ctl.live].max() > 0  # scored by surprisal, no question decoded
+        assert np.array_equal(llm.kv_engine.live_positions(), ctl.live)
     with pytest.raises(AhakvError, match="kv_query"):
         Llama(str(fixture_model), kv_budget=128, kv_query="maybe", verbose=False)
 
@@ -231,3 +236,48 @@ def test_generate_takes_a_question_and_refuses_it_without_a_guided_reading(fixtu
     assert ok.returncode == 0, ok.stderr
     bad = subprocess.run([*base, "-p", text, "--query", "x", "--reading", "plain"], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0 and "--query" in bad.stderr
+
+
+def test_surprisal_reading_evicts_by_each_phrases_surprisal_alone(fixture_model, license_text):
+    """``reading="surprisal"`` (any policy, here H2O, which cannot be guided by a question): each chunk's tokens are
+    scored by -log p(token | what precedes it) from the logits that predicted them, and every compression evicts
+    the positions whose surprisal averaged over 15 neighbours is lowest, the policy's own score left out. The
+    reference is numpy in float64 on the logits of a plain engine replaying the same chunks and evictions (the
+    same forward bound as above: the logits agree within it, and the log-partition and the picked logit each move
+    by at most that much); every eviction removes no candidate scoring above one it kept."""
+    prompt = tokens_of(fixture_model, license_text, 320)
+    spec = SessionSpec.bounded("h2o", 96, n_recent=8, reading="surprisal")
+    evicted: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n_past -> (live before, evicted)
+    with open_session(fixture_model, spec, longest=len(prompt), n_ubatch=64) as s:
+        ctl = s.controller
+        real_evict = ctl.engine.evict
+
+        def record(positions, cache=None):
+            evicted[ctl.engine.n_past] = (ctl.live.copy(), np.asarray(positions).copy())
+            return real_evict(positions, cache)
+
+        ctl.engine.evict = record
+        ctl.read_query = lambda q: pytest.fail("a surprisal reading decodes no question")
+        s.read(prompt)
+        surprisal = ctl.groups[0].best[: len(prompt)].copy()
+        assert np.array_equal(s.engine.live_positions(), ctl.live) and ctl.live.size <= 96
+        assert sorted(evicted) == list(range(128, len(prompt) + 1, 64))  # every chunk once over the budget
+    with Engine(fixture_model, EngineConfig(n_ctx=s.engine.n_ctx, n_batch=64, n_ubatch=64)) as e:
+        rows = []
+        for a in range(0, len(prompt), 64):
+            rows.append(e.decode(prompt[a : a + 64], True).astype(np.float64))
+            if e.n_past in evicted:
+                e.evict(evicted[e.n_past][1])
+        logits = np.concatenate(rows)
+    top = logits.max(1, keepdims=True)
+    log_p = logits - top - np.log(np.exp(logits - top).sum(1, keepdims=True))
+    ref = np.empty(len(prompt))
+    ref[1:] = -log_p[np.arange(len(prompt) - 1), prompt[1:]]
+    ref[0] = ref[1:64].mean()  # nothing predicts the first token: its chunk's mean stands in
+    bound = 2 * 16 * 128 * F32 * np.abs(logits).max()
+    np.testing.assert_allclose(surprisal, ref, rtol=0, atol=bound)
+    for n, (live, gone) in evicted.items():
+        pooled = np.array([ref[max(0, i - 7) : min(n, i + 8)].mean() for i in range(n)])  # 15 wide, cut at the ends
+        kept = np.setdiff1d(live, gone)
+        candidates = kept[(kept >= 4) & (kept < np.sort(live)[-8])]  # not the sinks, not the last 8 live
+        assert pooled[gone].max() <= pooled[candidates].min() + 2 * bound
