@@ -214,9 +214,11 @@ def load_llama(
         rpc = parse_servers(rpc)  # a malformed address, before the model is read; reachability when it loads
     path = resolve_model(model, progress=True)
     read_info(path)  # a clear error for an unsupported architecture before llama.cpp tries
+    from .engine import default_threads
     from .native import lib
 
     lib()  # refuse an unpatched or missing engine with one line, before llama_cpp is imported
+    threads = threads or default_threads()  # llama-cpp-python's own default would be half the cores
     from .llama import Llama
 
     batch_size = batch_size or (64 if budget is not None else 512)

@@ -25,10 +25,14 @@ def rpc_option(f):
 
 
 def threads_option(f):
-    """-t / AHAKV_THREADS: CPU threads of the engine (default: every core; on a machine shared with other jobs,
-    1 avoids the thread barriers' spinning)."""
+    """-t: CPU threads of the engine (default: ``engine.default_threads``, the one reader of AHAKV_THREADS, else
+    every core; on a machine shared with other jobs, 1 avoids the thread barriers' spinning)."""
     return click.option(
-        "-t", "--threads", type=click.IntRange(min=1), default=None, envvar="AHAKV_THREADS", help="CPU threads."
+        "-t",
+        "--threads",
+        type=click.IntRange(min=1),
+        default=None,
+        help="CPU threads (default: AHAKV_THREADS, else every core).",
     )(f)
 
 

@@ -192,3 +192,22 @@ def test_a_prompt_past_the_trained_context(fixture_model):
         ahakv("generate", str(fixture_model), "--budget", "64", stdin="a b " * 4000),
         r"error: Requested tokens \(\d+\) exceed the model's trained context of 4096 positions",
     )
+
+
+def test_ahakv_threads_is_read_in_one_place(fixture_model, monkeypatch):
+    """AHAKV_THREADS is read by ``engine.default_threads`` alone: the drop-in the CLI loads runs that many threads
+    (llama-cpp-python's own default would be half the cores), and a bad value is one line naming the variable."""
+    import os
+
+    from ahakv_local.cli import load_llama
+
+    env = dict(os.environ, AHAKV_THREADS="abc")
+    proc = ahakv("generate", str(fixture_model), "-p", "x", "-n", "1", env=env)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "error: AHAKV_THREADS must be a positive whole number, not 'abc'"
+    ], proc.stderr
+    monkeypatch.setenv("AHAKV_THREADS", "1")
+    kw = dict(ctx_size=256, budget=None, policy="ahakv", sinks=4, recent=32, error_tol=0.05, evict_every=None,
+              observe_steps=1, threads=None, n_gpu_layers=0, batch_size=None)  # fmt: skip
+    with load_llama(str(fixture_model), **kw) as llm:
+        assert llm.context_params.n_threads == llm.kv_engine.config.n_threads == 1
