@@ -165,7 +165,8 @@ class ChatSession:
 
     def read_document(self, path: Path) -> str:
         """Put a document into the conversation now, before any question about it: it is read through the
-        bounded cache question-agnostically (reconstruction), so what is kept serves the questions to come."""
+        bounded cache question-agnostically (reconstruction, or surprisal for a policy no question can guide), so
+        what is kept serves the questions to come."""
         try:
             text = path.read_bytes().decode("utf-8")
         except OSError as exc:
@@ -185,7 +186,9 @@ class ChatSession:
             llm.reset()
             n = 0
         if llm.kv_controller is not None:
-            llm.set_kv_query("reconstruct" if llm.kv_controller.policy.reads_with_query else False)
+            # a policy no question can guide reads it by surprisal (any policy can): better than plainly at 4x
+            # (benchmarks/RESULTS.md, issue 12), the reconstruction stays for the others (better at 8x)
+            llm.set_kv_query("reconstruct" if llm.kv_controller.policy.reads_with_query else "surprisal")
         try:
             llm.eval(tokens[n:])
         except (AhakvError, ValueError):

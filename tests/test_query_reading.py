@@ -226,6 +226,21 @@ def test_chat_reads_a_document_before_the_question(fixture_model, license_text, 
         assert llm.kv_stats().tokens_seen > n and llm._kv_guide is None
 
 
+def test_chat_reads_a_document_by_surprisal_with_a_policy_no_question_guides(fixture_model, license_text, tmp_path):
+    from ahakv_local.chat import ChatSession, command
+
+    doc = tmp_path / "license.txt"
+    doc.write_text(license_text[:1500])
+    with Llama(str(fixture_model), kv_budget=128, kv_policy="h2o", kv_reuse_compressed=True, n_batch=64,
+               verbose=False) as llm:  # fmt: skip
+        s = ChatSession(llm, "You are terse.", max_tokens=4, temperature=0.0)
+        ctl = llm.kv_controller
+        ctl.read_query = lambda q: pytest.fail("a surprisal reading decodes no question")
+        assert command(s, "/read", str(doc)).startswith("read license.txt:")
+        assert ctl.groups[0].best[: llm.n_tokens].min() > 0  # every position of the read was scored
+        assert np.array_equal(llm.kv_engine.live_positions(), ctl.live) and ctl.live.size <= 128
+
+
 def test_generate_takes_a_question_and_refuses_it_without_a_guided_reading(fixture_model):
     import subprocess
     import sys
