@@ -396,6 +396,8 @@ def load_pool(
         raise AhakvError("--parallel needs --budget in cells: each sequence holds its own budget in one context")
     if layer_budgets != "shared":
         raise AhakvError("--parallel needs --layer-budgets shared")
+    if extra.get("kv_type") not in (None, "auto", "f16"):  # auto: f16 for a budget in cells
+        raise AhakvError(f"--parallel keeps K and V in f16: drop --kv-type {extra['kv_type']}")
     evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
     spec = SessionSpec.bounded(
         policy, budget, n_sink=sinks, n_recent=recent, evict_every=evict_every, observe_steps=observe_steps,

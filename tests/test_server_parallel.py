@@ -241,13 +241,17 @@ def test_eight_concurrent_requests_answer_as_each_alone(fixture_model, license_t
         stop_server(proc)
 
 
-def test_parallel_needs_a_cell_budget(fixture_model):
+def test_parallel_needs_a_cell_budget_and_f16(fixture_model):
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "ahakv_local", "serve", str(fixture_model), "--parallel", "2", "--budget", "0.25"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "--parallel needs --budget in cells" in out.stderr.strip().splitlines()[-1]
+    # a quantized K/V is refused, not silently dropped (the pool's context is f16)
+    cmd[-1] = "96"
+    out = subprocess.run([*cmd, "--kv-type", "q8_0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].endswith("drop --kv-type q8_0")
 
 
 # -- Gemma -----------------------------------------------------------------------------------------------------
