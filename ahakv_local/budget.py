@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from .errors import AhakvError
 
@@ -109,6 +109,11 @@ def format_bytes(n: int) -> str:
 
 NO_EVICTION = Budget("none")  # the full cache: every position is kept
 
+
+# how a prompt longer than the budget is read: by the policy alone, guided by its question, or without one
+Reading = Literal["plain", "query", "reconstruct", "surprisal"]
+READINGS: tuple[str, ...] = get_args(Reading)
+QUESTION_AGNOSTIC: tuple[str, ...] = ("reconstruct", "surprisal")  # readings no question guides
 
 QUERY_TOKENS = 128  # at most this many tokens of a question guide the reading of a long prompt
 REPEAT_TOKENS = 32  # room for the repetition prompt of a question-agnostic (reconstruction) reading

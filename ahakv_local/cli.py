@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .budget import KV_TYPE_AUTO, LAYER_BUDGETS
+from .budget import KV_TYPE_AUTO, LAYER_BUDGETS, READINGS
 from .cli_eval import n_gpu_layers_option, rpc_option, threads_option
 from .errors import AhakvError
 from .extras import require
@@ -157,7 +157,7 @@ def engine_options(f):
         ),
         click.option(
             "--reading",
-            type=click.Choice(["query", "plain", "reconstruct", "surprisal"]),
+            type=click.Choice(READINGS),
             default="query",
             show_default=True,
             envvar="AHAKV_READING",
@@ -396,7 +396,7 @@ def load_pool(
         raise AhakvError("--parallel needs --budget in cells: each sequence holds its own budget in one context")
     if layer_budgets != "shared":
         raise AhakvError("--parallel needs --layer-budgets shared")
-    if extra.get("kv_type") not in (None, "auto", "f16"):  # auto: f16 for a budget in cells
+    if extra.get("kv_type") not in (None, KV_TYPE_AUTO, "f16"):  # auto: f16 for a budget in cells
         raise AhakvError(f"--parallel keeps K and V in f16: drop --kv-type {extra['kv_type']}")
     evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
     spec = SessionSpec.bounded(

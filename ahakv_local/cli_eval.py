@@ -285,7 +285,7 @@ def eval_longdoc(
     if unknown or not task_list:
         raise AhakvError(f"unknown task {','.join(unknown)!r}; choose from {', '.join(TASKS)}")
     readings = [r.strip() for r in reading.split(",") if r.strip()]
-    from .session import READINGS
+    from .budget import READINGS
 
     if not readings or any(r not in READINGS for r in readings):
         raise AhakvError(f"--reading takes {', '.join(READINGS)}, comma-separated, not {reading!r}")

@@ -221,7 +221,8 @@ class KVController:
         for g in self.groups:
             g.grow_best(n)
             g.best[n - len(piece) : n] = surprisal
-        self.evict([avg_pool(g.best[:n], kernel)[g.live] for g in self.groups], alone=True)
+        pooled = avg_pool(self.groups[0].best[:n], kernel)  # by position: the same for every group
+        self.evict([pooled[g.live] for g in self.groups], alone=True)
         return logits[-1]
 
     def _reconstruction_scores(self, query: list[int]) -> list[np.ndarray]:

@@ -83,8 +83,11 @@ class ModelInfo:
 
     def stores(self, kv_type: str) -> bool:
         """Whether each head's K and V rows hold whole blocks of ``kv_type`` (``check_kv_types`` without the error)."""
-        block = KV_TYPES[kv_type][2]
-        return self.head_dim_k % block == 0 and self.head_dim_v % block == 0
+        try:
+            check_kv_types(self, kv_type, kv_type)
+        except AhakvError:
+            return False
+        return True
 
     def trimmed_bytes(self, n_ctx: int, n_ubatch: int = 512) -> int:
         """K+V bytes (f16) llama.cpp's own tools allocate for ``n_ctx`` positions: every cache, the sliding one

@@ -31,12 +31,12 @@ import llama_cpp
 import numpy as np
 
 from . import native, rpc, upstream
-from .budget import KV_TYPE_AUTO, QUERY_TOKENS, Budget
+from .budget import KV_TYPE_AUTO, QUERY_TOKENS, QUESTION_AGNOSTIC, Budget
 from .controller import ControllerStats, KVController
 from .engine import Engine, kv_type_params
 from .errors import AhakvError
 from .info import check_kv_types, read_info
-from .session import QUESTION_AGNOSTIC, SessionSpec, guide
+from .session import SessionSpec, guide
 
 
 class Stopped(Exception):

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .budget import QUERY_TOKENS, Budget, cells_for
+from .budget import QUERY_TOKENS, QUESTION_AGNOSTIC, Budget, cells_for
 from .controller import ControllerStats, Reconstruct, step_batch
 from .engine import Engine
 from .errors import AhakvError
 from .policies import Policy, make_policy
-from .session import QUESTION_AGNOSTIC, SessionSpec, guide
+from .session import SessionSpec, guide
 
 TOP_K = 40  # llama-cpp-python's default for completions
 

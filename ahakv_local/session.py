@@ -13,7 +13,6 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal, get_args
 
 import numpy as np
 
@@ -21,10 +20,12 @@ from .budget import (
     KV_TYPE_AUTO,
     LAYER_BUDGETS,
     NO_EVICTION,
+    READINGS,
     Allocation,
     Budget,
     CacheLayout,
     LayerBudgets,
+    Reading,
     allocate,
     default_evict_every,
     guide_room,
@@ -38,9 +39,6 @@ from .policies import Policy, make_policy
 
 # what the reconstruction pass reads behind each chunk before the chunk itself again (KVzip's repeat prompt)
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
-Reading = Literal["plain", "query", "reconstruct", "surprisal"]
-READINGS: tuple[str, ...] = get_args(Reading)
-QUESTION_AGNOSTIC: tuple[str, ...] = ("reconstruct", "surprisal")  # readings no question guides
 
 
 @dataclass(frozen=True)

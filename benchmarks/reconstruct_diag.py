@@ -5,6 +5,7 @@ over the prompt (per 256 positions; a uniform keep at 4x is 64 each). Filler: tu
 read (LGPL-2.1, GFDL-1.3, Apache-2.0).
 
     python benchmarks/reconstruct_diag.py --reading reconstruct --cells 512 --depths 0.1,0.3,0.5,0.7,0.9 -t 1
+    python benchmarks/reconstruct_diag.py --reading surprisal --cells 512 -t 1
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ahakv_local.budget import READINGS
 from ahakv_local.longdoc import SEPARATOR, Filler, make_item
 from ahakv_local.models import default_model_path
 from ahakv_local.session import SessionSpec, open_session
@@ -25,7 +27,7 @@ TUNING_TEXTS = ("LGPL-2.1", "GFDL-1.3", "Apache-2.0")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--policy", default="ahakv")
-    ap.add_argument("--reading", default="reconstruct", choices=("plain", "query", "reconstruct"))
+    ap.add_argument("--reading", default="reconstruct", choices=READINGS)
     ap.add_argument("--cells", type=int, default=512)
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
