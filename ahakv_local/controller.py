@@ -53,7 +53,7 @@ class Surprisal:
     every compression keeps the positions whose phrase carries the most, the surprisal averaged over ``kernel``
     neighbours (a pass key's digits are no more surprising than filler, ~2.3 nats each; the sentence that
     introduces them is). It costs the logits of every prompt row, no second pass. Kernel chosen on single pass keys
-    in LGPL-2.1/GFDL-1.3/Apache-2.0 filler (benchmarks/RESULTS.md): 15 solved 4/5, 7 and a max over 11 2/5 and 1/5.
+    in LGPL-2.1/GFDL-1.3/Apache-2.0 filler (``benchmarks/reconstruct_diag.py --reading surprisal``, RESULTS.md).
     The logits of all 64 rows of a chunk cost the prompt about 2.5x its time on Gemma 3 270M (262,144 tokens)."""
 
     kernel: int = 15
