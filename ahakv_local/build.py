@@ -170,7 +170,9 @@ def unpack(sdist: Path, dest: Path) -> Path:
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     with tarfile.open(sdist) as tar:
-        tar.extractall(dest, filter="tar")
+        # extraction filters came with Python 3.11.4 (Debian 12 ships 3.11.2); the sdist is hash-pinned (fetch_sdist),
+        # so without them its contents are still the ones checked
+        tar.extractall(dest, **({"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}))
     tree = dest / f"{SDIST_NAME}-{SDIST_VERSION}"
     # the sdist carries git metadata of its own; without it `git apply` treats the tree as plain files
     shutil.rmtree(tree / ".git", ignore_errors=True)
