@@ -76,8 +76,15 @@ class EngineConfig:
     swa_full: bool = True  # Gemma 3: give the sliding-window cache as many cells as the full one
     # exact cells of the (full-attention, sliding-window) caches, overriding n_ctx and swa_full for the cache
     # sizes; 0 in either keeps llama.cpp's rule for that cache. No padding: any size >= n_ubatch is honoured
-    # (a sliding-window cache below its window + n_ubatch needs evictions from it to keep decoding)
-    cache_cells: tuple[int, int] | None = None
+    # (a sliding-window cache below its window + n_ubatch needs evictions from it to keep decoding). With
+    # ``layer_groups``, one size per cache.
+    cache_cells: tuple[int, ...] | None = None
+    # layer groups: the cache of each layer (one entry per layer) instead of the model's own two, each cache
+    # holding its own cells (its own slots, mask and cell -> position map, evicted from on its own). Cache 0
+    # holds full-attention layers, cache 1 sliding-window ones, every cache one kind and a layer at least
+    # (``per_layer_groups``: one cache per layer). A model with a sliding-window cache only (llama.cpp's iswa
+    # cache is the one that composes several); None: the model's own caches
+    layer_groups: tuple[int, ...] | None = None
     n_seq: int = 1  # sequences sharing the context (views); more than one uses one unified KV stream
     # llama.cpp RPC workers ("host:port") holding the model's layers (all of them unless n_gpu_layers says)
     rpc_servers: tuple[str, ...] = ()
@@ -88,11 +95,28 @@ class EngineConfig:
 
 
 class LayerCache(enum.IntEnum):
-    """Which KV cache a layer reads (llama_ahakv_layer_cache)."""
+    """Which KV cache a layer reads (llama_ahakv_layer_cache). With layer groups (``EngineConfig.layer_groups``)
+    caches 0 and 1 are the first full-attention and sliding-window caches and the others are numbered on from
+    2 (plain ints)."""
 
     NONE = -1  # no KV cache (e.g. a layer that reuses another's)
     BASE = 0  # the full-attention cache: every live position
     SLIDING = 1  # the sliding-window cache (Gemma 2/3, Cohere 2): the last n_swa positions
+
+
+Cache = LayerCache | int  # a cache's number: a LayerCache, or from 2 on a layer group's
+
+
+def cache_name(cache: Cache) -> str:
+    return cache.name.lower() if isinstance(cache, LayerCache) else f"group {cache}"
+
+
+def per_layer_groups(sliding: Sequence[bool]) -> tuple[int, ...]:
+    """``EngineConfig.layer_groups`` with one cache per layer: the first full-attention layer's is 0, the first
+    sliding-window layer's 1, the others numbered on in layer order."""
+    first = [sliding.index(False), sliding.index(True)]
+    rest = iter(range(2, len(sliding)))
+    return tuple(first.index(il) if il in first else next(rest) for il in range(len(sliding)))
 
 
 # the statistic kinds the tap computes, by flag (names as in llama_ahakv_get_<kind>)
@@ -129,6 +153,7 @@ class Engine:
         # one line for a model the tap or eviction cannot handle, or K/V types its heads cannot be stored in
         check_kv_types(read_info(path), config.type_k, config.type_v)
         cache_cells = self._check_cache_cells(config, min(config.n_ubatch, config.n_batch))
+        groups = config.layer_groups
         threads = config.n_threads or default_threads()
         self.native = lib()  # refuses an unpatched engine before anything is loaded
 
@@ -168,12 +193,19 @@ class Engine:
         if cb_eval is not None:
             self._cb_eval = cb_eval  # keep the CFUNCTYPE alive as long as the context
             cparams.cb_eval = cb_eval
-        if cache_cells[1] and llama_cpp.llama_model_n_swa(self._model.model) <= 0:
+        if (cache_cells[1] or groups) and llama_cpp.llama_model_n_swa(self._model.model) <= 0:
             self._model.close()
-            raise AhakvError(f"{path.name} has no sliding-window cache: cache_cells=(n, 0) sizes its only cache")
+            what = "layer groups need one" if groups else "cache_cells=(n, 0) sizes its only cache"
+            raise AhakvError(f"{path.name} has no sliding-window cache: {what}")
+        if groups:
+            self._check_layer_groups(groups, self._layer_sliding())
         # the cache sizes are a per-thread setting of the patched engine that the next llama_init_from_model
         # consumes (llama_context_params, a ctypes mirror in llama-cpp-python, cannot grow a field)
-        if self.native.set_next_cache_cells(*cache_cells) != 0:
+        if groups:
+            rc = self._set_next_groups(groups, cache_cells)
+        else:
+            rc = self.native.set_next_cache_cells(*cache_cells)
+        if rc != 0:
             self._model.close()
             raise AhakvError(f"bad cache sizes {cache_cells}")
         try:
@@ -181,28 +213,60 @@ class Engine:
         except ValueError as exc:
             self._model.close()
             raise AhakvError(f"cannot create a context for {path} (n_ctx={config.n_ctx})") from exc
-        finally:
-            self.native.set_next_cache_cells(0, 0)  # consumed already, unless creation failed before llama.cpp
+        finally:  # consumed already, unless creation failed before llama.cpp
+            self.native.set_next_cache_cells(0, 0)
+            self.native.set_next_layer_groups(None, 0, None, 0)
         self._batch = upstream.new_batch(config.n_batch, config.verbose)
         self._owned = True
         self.seq, self.shared = SEQ, config.n_seq > 1
         self._describe()
-        for cache, wanted in zip((LayerCache.BASE, LayerCache.SLIDING), cache_cells, strict=True):
+        for cache, wanted in enumerate(cache_cells):
             got = self.cache_cells(cache)
             if wanted and got != wanted:
                 self.close()
-                raise AhakvError(f"the engine gave the {cache.name.lower()} cache {got} cells, not the {wanted} asked")
+                raise AhakvError(f"the engine gave the {cache_name(cache)} cache {got} cells, not the {wanted} asked")
 
     @staticmethod
-    def _check_cache_cells(config: EngineConfig, n_ubatch: int) -> tuple[int, int]:
+    def _check_cache_cells(config: EngineConfig, n_ubatch: int) -> tuple[int, ...]:
+        groups = config.layer_groups
+        n_caches = max(groups) + 1 if groups else 2
         if config.cache_cells is None:
-            return (0, 0)
+            return (0,) * n_caches
         cells = tuple(config.cache_cells)
-        if len(cells) != 2 or any(not isinstance(n, int) or n < 0 for n in cells):
-            raise ValueError(f"cache_cells must be two cell counts >= 0 (base, sliding), not {config.cache_cells!r}")
+        if len(cells) != n_caches or any(not isinstance(n, int) or n < 0 for n in cells):
+            what = "two cell counts >= 0 (base, sliding)"
+            if groups:
+                what = f"{n_caches} cell counts >= 0, one per layer group"
+            raise ValueError(f"cache_cells must be {what}, not {config.cache_cells!r}")
         if any(0 < n < n_ubatch for n in cells):
             raise ValueError(f"cache_cells {cells}: a cache needs n_ubatch ({n_ubatch}) cells or more")
         return cells
+
+    def _layer_sliding(self) -> list[bool]:
+        n_layer = self._llama_cpp.llama_model_n_layer(self._model.model)
+        return [self.native.layer_is_swa(self._model.model, il) == 1 for il in range(n_layer)]
+
+    def _check_layer_groups(self, groups: tuple[int, ...], sliding: list[bool]) -> None:
+        """One line for groups llama.cpp would refuse (llama_ahakv_set_next_layer_groups) or that break the
+        numbering of ``LayerCache``."""
+        problem = None
+        kinds: dict[int, bool] = {}
+        if len(groups) != len(sliding):
+            problem = f"{len(groups)} entries for {len(sliding)} layers"
+        elif set(groups) != set(range(max(groups) + 1)):
+            problem = "every cache from 0 to the last needs a layer"
+        elif any(kinds.setdefault(g, s) != s for g, s in zip(groups, sliding, strict=True)):
+            problem = "a cache mixes full-attention and sliding-window layers"
+        elif kinds[0] or not kinds[1]:
+            problem = "cache 0 must hold full-attention layers and cache 1 sliding-window ones"
+        if problem:
+            self._model.close()
+            raise AhakvError(f"bad layer groups: {problem}")
+
+    def _set_next_groups(self, groups: tuple[int, ...], cells: tuple[int, ...]) -> int:
+        group_arr = (ctypes.c_int32 * len(groups))(*groups)
+        cells_arr = (ctypes.c_int32 * len(cells))(*cells)
+        return self.native.set_next_layer_groups(group_arr, len(groups), cells_arr, len(cells))
 
     @classmethod
     def attach(cls, llm) -> Engine:
@@ -247,7 +311,10 @@ class Engine:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._model.vocab)
         self.n_ctx = llama_cpp.llama_n_ctx(self._ctx.ctx)
         self.head_dim = int(self.meta("attention.key_length") or self.n_embd // self.n_head)
-        self.layer_cache = [LayerCache(self.native.layer_cache(self.ctx, il)) for il in range(self.n_layer)]
+        named = {c.value for c in LayerCache}
+        numbers = [self.native.layer_cache(self.ctx, il) for il in range(self.n_layer)]
+        self.layer_cache: list[Cache] = [LayerCache(n) if n in named else n for n in numbers]
+        self.layer_sliding = self._layer_sliding()  # whether layer il uses the sliding window
         # a layer of the base cache: it holds every live position (a sliding-window cache may drop
         # positions that fell out of its window)
         self.base_layer = self.layer_cache.index(LayerCache.BASE) if LayerCache.BASE in self.layer_cache else 0
@@ -356,7 +423,7 @@ class Engine:
     def _run_batch(self) -> None:
         rc = self._llama_cpp.llama_decode(self.ctx, self._batch.batch)
         if rc == 1:
-            sizes = ", ".join(f"{c.name.lower()} {self.cache_cells(c)}" for c in self.caches)
+            sizes = ", ".join(f"{cache_name(c)} {self.cache_cells(c)}" for c in self.caches)
             raise AhakvError(f"the KV cache is full (cells: {sizes}): evict or give it more cells")
         if rc != 0:
             raise AhakvError(f"llama_decode failed with code {rc}")
@@ -367,29 +434,33 @@ class Engine:
         return self.native.n_cells(self.ctx, self.base_layer if layer is None else layer)
 
     @property
-    def caches(self) -> list[LayerCache]:
-        """The KV caches of this context: [BASE] or [BASE, SLIDING]."""
-        return [c for c in (LayerCache.BASE, LayerCache.SLIDING) if c in self.layer_cache]
+    def caches(self) -> list[Cache]:
+        """The KV caches of this context: [BASE], [BASE, SLIDING], or one per layer group (BASE, SLIDING, 2, ...)."""
+        return sorted({c for c in self.layer_cache if c != LayerCache.NONE})
 
-    def cache_cells(self, cache: LayerCache) -> int:
+    def cache_cells(self, cache: Cache) -> int:
         """Cells of one cache (0 if the context has none)."""
         return self.n_cells(self.layer_cache.index(cache)) if cache in self.layer_cache else 0
+
+    def cache_sliding(self, cache: Cache) -> bool:
+        """Whether the layers of ``cache`` use the sliding window."""
+        return self.layer_sliding[self.layer_cache.index(cache)]
 
     def n_used(self, layer: int | None = None) -> int:
         """Cells in use in the cache ``layer`` reads (default: the base cache)."""
         return self.native.n_used(self.ctx, self.base_layer if layer is None else layer)
 
-    def kv_bytes(self, cache: LayerCache | None = None) -> int:
+    def kv_bytes(self, cache: Cache | None = None) -> int:
         """Bytes of the K and V buffers: of every cache, or of one (0 for a cache the context does not have)."""
         if cache is None:
             return int(self.native.kv_bytes(self.ctx))
         return int(self.native.kv_bytes_cache(self.ctx, int(cache)))
 
-    def cell_bytes(self, cache: LayerCache) -> int:
+    def cell_bytes(self, cache: Cache) -> int:
         """K+V bytes of one cell of ``cache`` over all its layers (kv_bytes(cache) / its cells)."""
         return self.kv_bytes(cache) // max(1, self.cache_cells(cache))
 
-    def kv_bytes_used(self, cache: LayerCache | None = None) -> int:
+    def kv_bytes_used(self, cache: Cache | None = None) -> int:
         """Bytes of the cells holding a position: in every cache, or in one (its cells used x cell_bytes)."""
         caches = [c for c in self.caches if cache in (None, c)]
         return sum(self.n_used(self.layer_cache.index(c)) * self.cell_bytes(c) for c in caches)
@@ -422,7 +493,7 @@ class Engine:
         self._ctx.kv_cache_seq_rm(self.seq, n_past, -1)
         self.n_past = n_past
 
-    def evict(self, positions: Sequence[int] | np.ndarray, cache: LayerCache | None = None) -> int:
+    def evict(self, positions: Sequence[int] | np.ndarray, cache: Cache | None = None) -> int:
         """Remove these positions in one native call: from every cache (``cache=None``), or from one cache only,
         whose layers then stop seeing them while the other cache's layers keep them. Returns how many were
         present (in the base cache for ``None``)."""
@@ -441,7 +512,7 @@ class Engine:
                 EvictError.NEWEST_POSITION: "the newest position can never be evicted",
                 EvictError.NOT_SORTED: "positions must be strictly increasing",
                 EvictError.NO_KV_CACHE: "the model has no KV cache",
-            }.get(rc, "bad argument" if cache in (None, *self.layer_cache) else f"no {cache.name.lower()} cache")
+            }.get(rc, "bad argument" if cache in (None, *self.layer_cache) else f"no {cache_name(cache)} cache")
             raise AhakvError(f"eviction refused: {reason}")
         return rc
 
@@ -501,13 +572,13 @@ class Engine:
         newest = self.n_past - 1
         layers = range(self.n_layer) if layers is None else [int(il) for il in layers]
         caches = [self.layer_cache[il] for il in layers]
-        where: dict[LayerCache, tuple[np.ndarray, np.ndarray]] = {}  # cache -> (index into live, cell)
+        where: dict[Cache, tuple[np.ndarray, np.ndarray]] = {}  # cache -> (index into live, cell)
         for il, cache in zip(layers, caches, strict=True):
             if cache is LayerCache.NONE or cache in where:
                 continue
             positions, cells = self._live_cells(il)
             seen = np.ones(positions.size, dtype=bool)
-            if cache is LayerCache.SLIDING and self.n_swa > 0:  # the window sees the last n_swa positions
+            if self.layer_sliding[il] and self.n_swa > 0:  # the window sees the last n_swa positions
                 seen = newest - positions < self.n_swa
             where[cache] = (np.searchsorted(live, positions[seen]), cells[seen])
         visible = np.zeros((len(layers), n), dtype=bool)

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from ahakv_local import native
-from ahakv_local.engine import Engine, EngineConfig, LayerCache
+from ahakv_local.engine import Cache, Engine, EngineConfig, LayerCache, cache_name
 from ahakv_local.errors import AhakvError
 from ahakv_local.fixture import ARCH_HPARAMS, FixtureSpec
 from ahakv_local.models import fixture_path
@@ -162,9 +162,10 @@ def softmax_row_bound(q, k, p, scale, n_terms):
     return (2 * d[:, None] + (n_terms + 6) * F32) * p + 2.0**-126
 
 
-def check_rows_against_reference(e: Engine, cap: Capture, t: int, evicted: dict[LayerCache, set[int]]) -> None:
+def check_rows_against_reference(e: Engine, cap: Capture, t: int, evicted: dict[Cache, set[int]]) -> None:
     """The softmax row of query position t in every layer, by position, equals numpy's softmax of the model's
-    own Q and K over what that layer must see: its window (sliding layers), minus its cache's evictions."""
+    own Q and K over what that layer must see: its window (sliding layers), minus its cache's evictions (any
+    caches: the model's two, or layer groups)."""
     r = e.n_head // e.n_head_kv
     scale = 1.0 / np.sqrt(e.head_dim)  # gemma3: Q * 1/sqrt(head_dim), kq_scale 1
     for il in range(e.n_layer):
@@ -173,7 +174,7 @@ def check_rows_against_reference(e: Engine, cap: Capture, t: int, evicted: dict[
         k = np.repeat(cap.tokens(f"Kcur-{il}"), r, axis=1).astype(np.float64)
         assert q.shape[0] == t + 1
         seen = np.arange(t + 1)
-        if cache is SLIDING:
+        if e.layer_sliding[il]:
             seen = seen[t - seen < N_SWA]
         seen = np.setdiff1d(seen, sorted(evicted[cache]))
         logits = scale * np.einsum("hd,jhd->hj", q[t], k[seen])
@@ -187,10 +188,11 @@ def check_rows_against_reference(e: Engine, cap: Capture, t: int, evicted: dict[
         by_pos[:, cell_pos[held]] = row[:, held]
         assert np.all(row[:, ~held] == 0.0), f"layer {il}: an empty cell got attention"
         hidden = np.setdiff1d(np.arange(t + 1), seen)
-        assert np.all(by_pos[:, hidden] == 0.0), f"layer {il} ({cache.name}) attends to a position it must not see"
+        name = cache_name(cache)
+        assert np.all(by_pos[:, hidden] == 0.0), f"layer {il} ({name}) attends to a position it must not see"
         tol = softmax_row_bound(q[t], k[seen], p, scale, seen.size)
         err = np.abs(by_pos[:, seen] - p)
-        assert np.all(err <= tol), f"layer {il} ({cache.name}): error {(err / tol).max():.2f}x its bound"
+        assert np.all(err <= tol), f"layer {il} ({name}): error {(err / tol).max():.2f}x its bound"
 
 
 @pytest.mark.parametrize("cells", [None, (200, 48)])
