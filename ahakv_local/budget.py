@@ -3,7 +3,8 @@
 This module is the one owner of budgets: their grammar (``Budget.parse``), their meaning at a given
 length (``Budget.target``), the one spelling of "no eviction" (``NO_EVICTION``), the one rule for how
 many KV cells a bounded sequence allocates (``cells_for``), how a budget is laid out on a model's layer
-groups and caches (``allocate``: a budget in bytes, ``shared`` or ``natural``) and the default eviction
+groups and caches (``allocate``: a budget in bytes; ``shared``, ``natural``, or one cache per layer: ``uniform``
+and ``pyramid``) and the default eviction
 schedule. The controller enforces a budget (``KVController.set_budget``); nothing else parses or sizes one.
 
 A cell or ratio budget counts the cells of a full-attention layer (the base cache); a byte budget counts
@@ -13,6 +14,7 @@ the allocated K+V bytes of every layer (every cache, as llama.cpp allocates them
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -137,8 +139,12 @@ def cells_for(budget: Budget, chunk: int, longest: int, room: int = 0) -> int:
     return longest + room
 
 
-LayerBudgets = Literal["shared", "natural"]
-LAYER_BUDGETS: tuple[str, ...] = ("shared", "natural")
+LayerBudgets = Literal["shared", "natural", "uniform", "pyramid"]
+LAYER_BUDGETS: tuple[str, ...] = get_args(LayerBudgets)
+PER_LAYER: tuple[str, ...] = ("uniform", "pyramid")  # one cache per layer (EngineConfig.layer_groups)
+# pyramid: a kind's first layer holds (1 + PYRAMID_SLOPE) times the kind's mean, its last (1 - PYRAMID_SLOPE)
+# times, linearly in between (PyramidKV: lower layers attend broadly, upper ones to few tokens). Not tuned
+PYRAMID_SLOPE = 0.5
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,7 @@ class CacheLayout:
     base_bytes: int  # one cell of the full-attention cache, all its layers
     sliding_bytes: int = 0  # one cell of the sliding-window cache, all its layers (0: the model has none)
     window: int = 0  # positions a sliding-window layer sees
+    sliding: tuple[bool, ...] = ()  # by layer: whether it reads the sliding-window cache (per-layer layouts)
 
     def bytes(self, cache_cells: tuple[int, int]) -> int:
         """Allocated K+V bytes of caches of these sizes (base, sliding)."""
@@ -163,7 +170,12 @@ class Allocation:
 
     layer_budgets: str
     groups: tuple[Budget, ...]
-    cache_cells: tuple[int, int]
+    cache_cells: tuple[int, ...]  # by cache: (base, sliding), or one per layer group
+    layer_groups: tuple[int, ...] | None = None  # per-layer layouts: each layer's cache (EngineConfig.layer_groups)
+    sliding: tuple[bool, ...] = ()  # by group: whether its layers slide (empty: the second group alone)
+
+    def group_slides(self, i: int) -> bool:
+        return self.sliding[i] if self.sliding else i == 1
 
 
 def allocate(
@@ -198,7 +210,9 @@ def allocate(
     llama.cpp's trimmed cache at 4,096 tokens; the rule gives 0.53, 0.57 and 0.69) and checked on GPL-3 and
     MPL-1.1 (benchmarks/RESULTS.md)."""
     if layer_budgets not in LAYER_BUDGETS:
-        raise AhakvError(f"layer budgets must be {' or '.join(LAYER_BUDGETS)}, not {layer_budgets!r}")
+        raise AhakvError(f"layer budgets must be {', '.join(LAYER_BUDGETS)}, not {layer_budgets!r}")
+    if layer_budgets in PER_LAYER:
+        return _per_layer(budget, layout, layer_budgets, chunk, longest, room, every, sliding_share, keep)
     two = layout.sliding_bytes > 0
     natural = two and layout.window > 0 and layer_budgets == "natural"
     extra = chunk + 1 + room  # what cells_for adds to the cells a group holds
@@ -271,3 +285,88 @@ def parse_schedule(evict_every: int | None, observe_steps: int) -> tuple[int | N
     if (evict_every is not None and evict_every < 1) or observe_steps < 0:
         raise AhakvError("--evict-every must be at least 1 and --observe-steps at least 0")
     return evict_every, observe_steps or None
+
+
+def per_layer_groups(sliding: Sequence[bool]) -> tuple[int, ...]:
+    """The cache of each layer with one cache per layer (``EngineConfig.layer_groups``), numbered as the engine
+    wants them: the first full-attention layer's is 0, the first sliding-window layer's 1, the others on from 2
+    in layer order."""
+    first = [sliding.index(False), sliding.index(True)]
+    rest = iter(range(2, len(sliding)))
+    return tuple(first.index(il) if il in first else next(rest) for il in range(len(sliding)))
+
+
+def pyramid_weights(n: int, slope: float = PYRAMID_SLOPE) -> list[float]:
+    """n weights of mean 1, falling linearly from 1 + slope (the first layer) to 1 - slope (the last)."""
+    return [1.0] if n == 1 else [1 + slope * (1 - 2 * i / (n - 1)) for i in range(n)]
+
+
+def spread(weights: list[float], low: float, high: float) -> list[float]:
+    """``weights`` (mean 1) held within [low, high] with their sum kept where it can be: what a clamped weight
+    gains or loses is taken from or given to the free ones in proportion (a few passes settle it)."""
+    w = list(weights)
+    for _ in range(len(w)):
+        clamped = [min(max(x, low), high) for x in w]
+        free = [i for i, x in enumerate(clamped) if low < x < high]
+        excess = sum(clamped) - sum(weights)
+        if abs(excess) < 1e-9 or not free:
+            return clamped
+        room = sum(clamped[i] for i in free)
+        w = [x * (1 - excess / room) if i in free else x for i, x in enumerate(clamped)]
+    return [min(max(x, low), high) for x in w]
+
+
+def _per_layer(
+    budget: Budget,
+    layout: CacheLayout,
+    layer_budgets: str,
+    chunk: int,
+    longest: int,
+    room: int,
+    every: int,
+    sliding_share: float | None,
+    keep: int,
+) -> Allocation:
+    """One cache per layer (``uniform``, ``pyramid``): the ``natural`` layout's holdings of each kind, every layer
+    of the kind holding the same (uniform) or a share falling with depth around it (pyramid, mean kept), each
+    layer's cache its holding + one chunk + the newest token + ``room`` (a cell or byte budget: the bytes stay
+    those of ``natural``, less where a sliding layer's share is capped at its window)."""
+    sliding = layout.sliding
+    if layout.sliding_bytes <= 0 or not layout.window or not sliding or all(sliding) or not any(sliding):
+        raise AhakvError(f"--layer-budgets {layer_budgets} needs a model with sliding-window and full-attention layers")
+    natural = allocate(budget, layout, "natural", chunk, longest, room, every, sliding_share, keep)
+    extra = chunk + 1 + room
+    window = layout.window + every - 1
+    layers_of = {kind: [il for il, s in enumerate(sliding) if s == kind] for kind in (False, True)}
+    held: dict[int, Budget] = {}
+    for kind, layers in layers_of.items():
+        mean = natural.groups[int(kind)]
+        weights = [1.0] * len(layers)
+        if layer_budgets == "pyramid":
+            # no layer below what its protected positions and one eviction period need (KVController.check_floor)
+            floor = min(keep + 1, layout.window if kind else math.inf) + every - 1
+            cap = window if kind else math.inf
+            weights = pyramid_weights(len(layers))
+            if mean.mode == "cells":
+                weights = spread(weights, floor / mean.value, cap / mean.value)
+        for il, w in zip(layers, weights, strict=True):
+            held[il] = _scaled(mean, w, window if kind else None)
+    groups = per_layer_groups(sliding)
+    order = sorted(range(len(sliding)), key=lambda il: groups[il])  # the layer of each cache, by cache
+    budgets = tuple(held[il] for il in order)
+    if budget.mode in ("bytes", "cells"):
+        cells = tuple(int(b.value) + extra for b in budgets)
+    else:  # a ratio, auto or none can need every position: each layer's cache as natural sizes its kind's
+        cells = tuple(natural.cache_cells[int(sliding[il])] for il in order)
+    return Allocation(layer_budgets, budgets, cells, groups, tuple(sliding[il] for il in order))
+
+
+def _scaled(mean: Budget, weight: float, cap: int | None) -> Budget:
+    """``mean`` times ``weight`` (a cell or ratio holding; at most ``cap`` cells); auto and none as they are."""
+    if mean.mode == "cells":
+        n = max(1, round(mean.value * weight))
+        return Budget("cells", n if cap is None else min(n, cap))
+    if mean.mode == "ratio":
+        caps = [c for c in (mean.cap, cap) if c is not None]
+        return Budget("ratio", min(mean.value * weight, 1.0), cap=min(caps) if caps else None)
+    return mean

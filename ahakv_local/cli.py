@@ -104,8 +104,10 @@ def engine_options(f):
             default="shared",
             show_default=True,
             envvar="AHAKV_LAYER_BUDGETS",
-            help="How the budget is laid out on the layers: one pool for every layer, or one group per KV cache "
-            "(sliding-window models: the sliding layers keep their window, the full-attention layers the rest).",
+            help="How the budget is laid out on the layers: shared, one pool for every layer; natural, one group per "
+            "KV cache (sliding-window models: the sliding layers keep their window, the full-attention layers the "
+            "rest); uniform and pyramid, one KV cache per layer, each layer keeping its own tokens (pyramid: lower "
+            "layers keep more, as PyramidKV).",
         ),
         click.option("--policy", cls=PolicyOption, default="ahakv", show_default=True, envvar="AHAKV_POLICY"),
         click.option(

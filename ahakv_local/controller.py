@@ -14,9 +14,10 @@ A long prompt is decoded in chunks of n_ubatch and compressed after each, so it 
 than budget + one chunk of cells.
 
 The layers are split into groups (groups.py, ``ControllerConfig.layer_budgets``): ``shared``, one group
-evicting from every cache at once, or ``natural``, one per cache (a sliding-window model's full-attention
-and sliding-window layers), each with its own live positions, policy instance and budget
-(``budget.allocate``). ``live`` is the first group's: the full-attention layers' (or every layer's).
+evicting from every cache at once, ``natural``, one per cache (a sliding-window model's full-attention
+and sliding-window layers), or one per layer (``uniform``, ``pyramid``: the engine's layer groups), each with
+its own live positions, policy instance and budget (``budget.allocate``). ``live`` is the first group's: the
+(first) full-attention layers' (or every layer's).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class KVController:
         return self.groups[0].policy
 
     def group(self, name: str) -> LayerGroup:
-        """A group by name: "shared", or "base" and "sliding" (natural)."""
+        """A group by name: "shared", "base" and "sliding" (natural), or "layer <il>" (one cache per layer)."""
         for g in self.groups:
             if g.name == name:
                 return g
@@ -316,8 +317,9 @@ class KVController:
         room = "newest" if cfg.evict_every == 1 else "one eviction period"
         parts = f"{cfg.n_sink} + {cfg.n_recent} + {cfg.evict_every}"
         layout = self.engine.cache_layout()
-        for i, held in enumerate(self.allocation(budget).groups):
-            window = layout.window if i else 0  # a second group is the sliding one
+        allocation = self.allocation(budget)
+        for i, held in enumerate(allocation.groups):
+            window = layout.window if allocation.group_slides(i) else 0
             need = min(cfg.n_sink + cfg.n_recent + 1, window or np.inf) + cfg.evict_every - 1
             if held.mode != "cells" or held.value >= need:
                 continue

@@ -82,7 +82,7 @@ class EngineConfig:
     # layer groups: the cache of each layer (one entry per layer) instead of the model's own two, each cache
     # holding its own cells (its own slots, mask and cell -> position map, evicted from on its own). Cache 0
     # holds full-attention layers, cache 1 sliding-window ones, every cache one kind and a layer at least
-    # (``per_layer_groups``: one cache per layer). A model with a sliding-window cache only (llama.cpp's iswa
+    # (``budget.per_layer_groups``: one cache per layer). A model with a sliding-window cache only (llama.cpp's iswa
     # cache is the one that composes several); None: the model's own caches
     layer_groups: tuple[int, ...] | None = None
     n_seq: int = 1  # sequences sharing the context (views); more than one uses one unified KV stream
@@ -111,14 +111,6 @@ def cache_name(cache: Cache) -> str:
     return cache.name.lower() if isinstance(cache, LayerCache) else f"group {cache}"
 
 
-def per_layer_groups(sliding: Sequence[bool]) -> tuple[int, ...]:
-    """``EngineConfig.layer_groups`` with one cache per layer: the first full-attention layer's is 0, the first
-    sliding-window layer's 1, the others numbered on in layer order."""
-    first = [sliding.index(False), sliding.index(True)]
-    rest = iter(range(2, len(sliding)))
-    return tuple(first.index(il) if il in first else next(rest) for il in range(len(sliding)))
-
-
 # the statistic kinds the tap computes, by flag (names as in llama_ahakv_get_<kind>)
 STAT_KINDS: dict[TapFlag, str] = {
     TapFlag.ATTN: "attn",
@@ -141,6 +133,26 @@ class LayerStat(NamedTuple):
 
     positions: np.ndarray  # int32 [n_live], ascending
     values: np.ndarray  # float32 [n_heads, n_live]
+
+
+def set_next_caches(cells: Sequence[int], groups: Sequence[int] | None = None) -> int:
+    """Size the caches of the next context this thread creates: (base, sliding) cells, or with ``groups`` (the
+    cache of each layer) one size per cache. A per-thread setting of the patched engine that the next
+    llama_init_from_model consumes (llama_context_params, a ctypes mirror in llama-cpp-python, cannot grow a
+    field). Returns the engine's code (0, or -1 for bad sizes)."""
+    native = lib()
+    if not groups:
+        return native.set_next_cache_cells(*cells)
+    group_arr = (ctypes.c_int32 * len(groups))(*groups)
+    cells_arr = (ctypes.c_int32 * len(cells))(*cells)
+    return native.set_next_layer_groups(group_arr, len(groups), cells_arr, len(cells))
+
+
+def clear_next_caches() -> None:
+    """Forget a pending ``set_next_caches`` (llama.cpp consumed it already unless the creation failed early)."""
+    native = lib()
+    native.set_next_cache_cells(0, 0)
+    native.set_next_layer_groups(None, 0, None, 0)
 
 
 class Engine:
@@ -199,13 +211,7 @@ class Engine:
             raise AhakvError(f"{path.name} has no sliding-window cache: {what}")
         if groups:
             self._check_layer_groups(groups, self._layer_sliding())
-        # the cache sizes are a per-thread setting of the patched engine that the next llama_init_from_model
-        # consumes (llama_context_params, a ctypes mirror in llama-cpp-python, cannot grow a field)
-        if groups:
-            rc = self._set_next_groups(groups, cache_cells)
-        else:
-            rc = self.native.set_next_cache_cells(*cache_cells)
-        if rc != 0:
+        if set_next_caches(cache_cells, groups) != 0:
             self._model.close()
             raise AhakvError(f"bad cache sizes {cache_cells}")
         try:
@@ -213,9 +219,8 @@ class Engine:
         except ValueError as exc:
             self._model.close()
             raise AhakvError(f"cannot create a context for {path} (n_ctx={config.n_ctx})") from exc
-        finally:  # consumed already, unless creation failed before llama.cpp
-            self.native.set_next_cache_cells(0, 0)
-            self.native.set_next_layer_groups(None, 0, None, 0)
+        finally:
+            clear_next_caches()
         self._batch = upstream.new_batch(config.n_batch, config.verbose)
         self._owned = True
         self.seq, self.shared = SEQ, config.n_seq > 1
@@ -262,11 +267,6 @@ class Engine:
         if problem:
             self._model.close()
             raise AhakvError(f"bad layer groups: {problem}")
-
-    def _set_next_groups(self, groups: tuple[int, ...], cells: tuple[int, ...]) -> int:
-        group_arr = (ctypes.c_int32 * len(groups))(*groups)
-        cells_arr = (ctypes.c_int32 * len(cells))(*cells)
-        return self.native.set_next_layer_groups(group_arr, len(groups), cells_arr, len(cells))
 
     @classmethod
     def attach(cls, llm) -> Engine:
@@ -466,11 +466,14 @@ class Engine:
         return sum(self.n_used(self.layer_cache.index(c)) * self.cell_bytes(c) for c in caches)
 
     def cache_layout(self) -> CacheLayout:
-        """What laying out a budget needs (``budget.allocate``): the K+V bytes of one cell of each cache over all
-        its layers and the sliding window (0 where the model has one cache)."""
-        per_cell = {c: self.cell_bytes(c) for c in self.caches}
-        sliding = per_cell.get(LayerCache.SLIDING, 0)
-        return CacheLayout(per_cell.get(LayerCache.BASE, 0), sliding, self.n_swa if sliding else 0)
+        """What laying out a budget needs (``budget.allocate``): the K+V bytes of one cell of the full-attention
+        and of the sliding-window layers (of every cache of that kind: layer groups add up), the sliding window
+        (0 where the model has one cache) and which layers slide."""
+        per_kind = {False: 0, True: 0}
+        for c in self.caches:
+            per_kind[self.cache_sliding(c)] += self.cell_bytes(c)
+        sliding = per_kind[True]
+        return CacheLayout(per_kind[False], sliding, self.n_swa if sliding else 0, tuple(self.layer_sliding))
 
     def cell_positions(self, layer: int | None = None) -> np.ndarray:
         """int32 [n_cells]: the position each cell holds, -1 for an empty cell (default: base cache)."""

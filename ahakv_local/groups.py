@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .budget import Allocation, Budget
-from .engine import Engine, LayerCache
+from .engine import Cache, Engine, LayerCache, cache_name
 from .policies import Observation, Policy
 
 
 @dataclass
 class LayerGroup:
-    name: str  # "shared", "base" or "sliding"
-    cache: LayerCache | None  # the cache its evictions go to; None: every cache (the shared pool)
+    name: str  # "shared", "base" or "sliding" (natural), "layer <il>" (one cache per layer)
+    cache: Cache | None  # the cache its evictions go to; None: every cache (the shared pool)
     layers: np.ndarray | None  # the layers it observes; None: every layer
     policy: Policy
     budget: Budget  # what it holds, in cells (ratio, auto or none: decided as the sequence grows)
@@ -75,7 +75,7 @@ class LayerGroup:
         """Whether ``n`` more tokens fit its cache's free cells now."""
         return engine.n_used(self.map_layer) + n <= engine.n_cells(self.map_layer)
 
-    def caches(self, engine: Engine) -> list[LayerCache]:
+    def caches(self, engine: Engine) -> list[Cache]:
         return engine.caches if self.cache is None else [self.cache]
 
     def allocated_bytes(self, engine: Engine) -> int:
@@ -88,17 +88,20 @@ class LayerGroup:
 
 
 def make_groups(engine: Engine, policy: Policy, allocation: Allocation) -> list[LayerGroup]:
-    """The groups of ``allocation`` on ``engine``: one shared group, or one per cache (base first), each with
-    its own instance of ``policy`` (the first group gets ``policy`` itself)."""
+    """The groups of ``allocation`` on ``engine``: one shared group, or one per cache (base first; per-layer
+    layouts: in the engine's cache order), each with its own instance of ``policy`` (the first group gets
+    ``policy`` itself)."""
     if len(allocation.groups) == 1:
         live = engine.live_positions().astype(np.int64)
         return [LayerGroup("shared", None, None, policy, allocation.groups[0], live)]
     groups = []
-    for cache, budget in zip((LayerCache.BASE, LayerCache.SLIDING), allocation.groups, strict=True):
-        layers = np.flatnonzero([c is cache for c in engine.layer_cache])
-        window = engine.n_swa if cache is LayerCache.SLIDING else 0
+    caches = engine.caches if allocation.layer_groups else [LayerCache.BASE, LayerCache.SLIDING]
+    for cache, budget in zip(caches, allocation.groups, strict=True):
+        layers = np.flatnonzero([c == cache for c in engine.layer_cache])
+        window = engine.n_swa if engine.cache_sliding(cache) else 0
         own = policy if not groups else policy.fresh()
-        group = LayerGroup(cache.name.lower(), cache, layers, own, budget, np.zeros(0, np.int64), window)
+        name = f"layer {layers[0]}" if allocation.layer_groups and layers.size == 1 else cache_name(cache)
+        group = LayerGroup(name, cache, layers, own, budget, np.zeros(0, np.int64), window)
         group.live = group.read_live(engine)
         groups.append(group)
     return groups

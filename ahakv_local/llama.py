@@ -30,10 +30,10 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from . import native, rpc, upstream
+from . import rpc, upstream
 from .budget import KV_TYPE_AUTO, QUERY_TOKENS, QUESTION_AGNOSTIC, Budget
 from .controller import ControllerStats, KVController
-from .engine import Engine, kv_type_params
+from .engine import Engine, clear_next_caches, kv_type_params, set_next_caches
 from .errors import AhakvError
 from .info import check_kv_types, read_info
 from .session import SessionSpec, guide
@@ -197,15 +197,16 @@ class Llama(llama_cpp.Llama):
             # every cache sized exactly as the budget is laid out on the layer groups (budget.allocate), not padded
             # to 256 cells: no cell past them is allocated or scanned by attention once evictions scatter the live
             # ones over the buffer
-            sizes = spec.cache_cells(model_path, chunk, n_ctx)
-            cells = sizes[0]
+            allocation = spec.allocation_on(model_path, chunk, n_ctx)
+            sizes = allocation.cache_cells
+            cells = max(sizes)
             kwargs.setdefault("swa_full", not sizes[1])
-            native.lib().set_next_cache_cells(*sizes)  # consumed by the context llama_cpp.Llama creates next
+            set_next_caches(sizes, allocation.layer_groups)  # consumed by the context llama_cpp.Llama creates next
         check_cells(model_path, cells, budget)
         try:
             self._load(model_path, n_ctx=cells, n_batch=n_batch, **kwargs)
         finally:
-            native.lib().set_next_cache_cells(0, 0)
+            clear_next_caches()
 
         engine = Engine.attach(self)
         self._kv_engine = engine

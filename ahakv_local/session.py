@@ -137,13 +137,13 @@ class SessionSpec:
         chosen = kv_type_for(self.budget, info.trimmed_bytes(longest, chunk))
         return replace(self, kv_type=chosen if info.stores(chosen) else "f16")  # heads too narrow: f16
 
-    def cache_cells(self, model: str | Path, chunk: int, longest: int) -> tuple[int, int]:
-        """The cells of each cache (full-attention, sliding; 0: none) for this spec on ``model``: ``allocation``
-        on the model's layout with K and V of ``kv_type`` ("auto": decided by ``on_model``). Sessions
-        (``open_session``) and the drop-in (through ``set_next_cache_cells``, as llama_cpp.Llama makes its own
-        context) both size their caches with it."""
+    def allocation_on(self, model: str | Path, chunk: int, longest: int) -> Allocation:
+        """This spec's allocation on ``model`` (the cells of each cache, and its layer groups where it has one
+        cache per layer): ``allocation`` on the model's layout with K and V of ``kv_type`` ("auto": decided by
+        ``on_model``). Sessions (``open_session``) and the drop-in (through ``engine.set_next_caches``, as
+        llama_cpp.Llama makes its own context) both size their caches with it."""
         spec = self.on_model(model, chunk, longest)
-        return spec.allocation(model_layout(Path(model), spec.kv_type), chunk, longest).cache_cells
+        return spec.allocation(model_layout(Path(model), spec.kv_type), chunk, longest)
 
     def config(self, layout: CacheLayout, chunk: int) -> ControllerConfig:
         return ControllerConfig(
@@ -234,7 +234,10 @@ def open_session(model: str | Path, spec: SessionSpec, longest: int, n_ubatch: i
     with its controller. A spec with kv_type "auto" runs in the type decided for ``longest`` (``on_model``)."""
     spec = spec.on_model(model, n_ubatch, longest)
     engine_kw |= kv_type_config(spec.kv_type)
-    cells = spec.cache_cells(model, n_ubatch, longest)
+    allocation = spec.allocation_on(model, n_ubatch, longest)
+    cells, groups = allocation.cache_cells, allocation.layer_groups
     engine_kw.setdefault("swa_full", not cells[1])  # the sliding cache is sized exactly: no full-size copy
-    config = EngineConfig(n_ctx=cells[0], n_batch=n_ubatch, n_ubatch=n_ubatch, cache_cells=cells, **engine_kw)
+    config = EngineConfig(
+        n_ctx=max(cells), n_batch=n_ubatch, n_ubatch=n_ubatch, cache_cells=cells, layer_groups=groups, **engine_kw
+    )
     return BoundedSession(spec, Engine(model, config))

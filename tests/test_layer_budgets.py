@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import record_shared_decisions as recorded
 
-from ahakv_local.budget import Budget, CacheLayout, allocate, cells_for
+from ahakv_local.budget import Budget, CacheLayout, allocate, cells_for, pyramid_weights, spread
 from ahakv_local.engine import LayerCache
 from ahakv_local.errors import AhakvError
 from ahakv_local.fixture import ARCH_HPARAMS, FixtureSpec
@@ -106,8 +106,61 @@ def test_the_layout_rules_on_gemma3_270m():
     one = CacheLayout(base_bytes=4096)
     a, b = allocate(budget, one, "natural", chunk), allocate(budget, one, "shared", chunk)
     assert (a.groups, a.cache_cells) == (b.groups, b.cache_cells) == ((Budget("cells", 4096 - extra),), (4096, 0))
-    with pytest.raises(AhakvError, match="layer budgets must be shared or natural"):
+    with pytest.raises(AhakvError, match="layer budgets must be shared, natural, uniform, pyramid"):
         allocate(budget, one, "per-layer")
+    with pytest.raises(AhakvError, match="needs a model with sliding-window and full-attention layers"):
+        allocate(budget, one, "uniform")
+
+
+# Gemma 3 270M by layer: five sliding layers, then one full-attention layer, three times
+GEMMA3_LAYERS = tuple(il % 6 != 5 for il in range(18))
+GEMMA3_270M_BY_LAYER = CacheLayout(3 * 1024, 15 * 1024, 512, GEMMA3_LAYERS)
+
+
+@pytest.mark.parametrize("text", ["16MiB", "5MiB", "1024", "25%"])
+def test_per_layer_layouts_on_gemma3_270m(text):
+    """uniform: every layer of a kind holds what natural's group of that kind holds, in its own cache (the same
+    bytes); pyramid: a kind's holdings fall with depth around the same mean (PyramidKV), within the window
+    and above what the protected positions need; the bytes never exceed natural's."""
+    chunk, every, keep = 64, 32, 36
+    budget = Budget.parse(text)
+    natural = allocate(budget, GEMMA3_270M_BY_LAYER, "natural", chunk, 4096, 0, every, None, keep)
+    full = [il for il in range(18) if not GEMMA3_LAYERS[il]]  # 5, 11, 17
+    for mode in ("uniform", "pyramid"):
+        a = allocate(budget, GEMMA3_270M_BY_LAYER, mode, chunk, 4096, 0, every, None, keep)
+        assert a.layer_groups == (1, 2, 3, 4, 5, 0, *range(6, 18)) and len(a.groups) == len(a.cache_cells) == 18
+        by_layer = [a.groups[a.layer_groups[il]] for il in range(18)]
+        cells = [a.cache_cells[a.layer_groups[il]] for il in range(18)]
+        assert [a.group_slides(a.layer_groups[il]) for il in range(18)] == list(GEMMA3_LAYERS)
+        per_layer_bytes = sum(c * 1024 for c in cells)
+        assert per_layer_bytes <= GEMMA3_270M_BY_LAYER.bytes(natural.cache_cells)
+        if budget.mode == "bytes":
+            assert per_layer_bytes <= budget.value
+        for kind in (False, True):
+            mean = natural.groups[int(kind)]
+            held = [b for b, s in zip(by_layer, GEMMA3_LAYERS, strict=True) if s == kind]
+            if mode == "uniform" or mean.mode != "cells":
+                values = [b.value for b in held]
+                weights = [1.0] * len(held) if mode == "uniform" else pyramid_weights(len(held))
+                assert values == pytest.approx([min(mean.value * w, 1.0) if mean.mode == "ratio" else
+                                                round(mean.value * w) for w in weights], abs=1)  # fmt: skip
+                continue
+            values = [int(b.value) for b in held]
+            assert values == sorted(values, reverse=True), f"{mode}: holdings must fall with depth"
+            assert min(values) >= min(keep + 1, 512 if kind else 10**9) + every - 1
+            assert max(values) <= (512 + every - 1 if kind else 10**9)
+            if not kind:  # the full-attention layers keep their mean (to rounding)
+                assert abs(sum(values) - 3 * mean.value) <= 3
+        if mode == "uniform":
+            assert per_layer_bytes == GEMMA3_270M_BY_LAYER.bytes(natural.cache_cells)
+            assert [cells[il] for il in full] == [natural.cache_cells[0]] * 3
+
+
+def test_spread_keeps_the_sum_within_bounds():
+    w = spread(pyramid_weights(5), 0.8, 1.3)  # 1.5 .. 0.5 clamped: the sum (5) kept by the free ones
+    assert sum(w) == pytest.approx(5) and min(w) >= 0.8 - 1e-12 and max(w) <= 1.3 + 1e-12
+    assert w == sorted(w, reverse=True)
+    assert spread([1.0, 1.0], 0.5, 2.0) == [1.0, 1.0]
 
 
 def test_a_sliding_share_splits_the_bytes_between_the_caches():
@@ -141,7 +194,7 @@ def run_checked(path, text, spec: SessionSpec, prompt: int, steps: int, longest:
         native_evict = e.evict
 
         def spy(positions, cache=None):
-            g = c.groups[0] if cache is None else c.group(cache.name.lower())
+            g = c.groups[0] if cache is None else next(g for g in c.groups if g.cache == cache)
             evictions.append((g, g.live.copy(), e.n_past - 1, np.asarray(positions).copy()))
             return native_evict(positions, cache)
 
@@ -177,6 +230,34 @@ def run_checked(path, text, spec: SessionSpec, prompt: int, steps: int, longest:
             assert np.isin(victims, before).all()
         assert c.stats.evicted == sum(v.size for *_, v in evictions) == sum(g.evicted for g in c.groups)
         return {g.name: (g.live.copy(), g.evicted) for g in c.groups} | {"every": every, "kv_bytes": e.kv_bytes()}
+
+
+@pytest.fixture(scope="module")
+def six_layers():
+    """Three sliding-window layers (0, 2, 4) and three full-attention ones (1, 3, 5): 768 bytes a cell, f16."""
+    return fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
+
+
+@pytest.mark.parametrize("layer_budgets", ["uniform", "pyramid"])
+@pytest.mark.parametrize("policy", EVICTING)
+@pytest.mark.parametrize("budget", ["48", "40KiB"])  # the upper full layer holds the pinned span too
+def test_every_layer_holds_its_budget(six_layers, license_text, policy, layer_budgets, budget):
+    """One cache per layer: each layer's group holds its own budget at every step, its live positions are its
+    own cache's map, it never evicts a protected position, and the bytes hold a byte budget (run_checked)."""
+    spec = SessionSpec.bounded(
+        policy, budget, n_sink=4, n_recent=8, evict_every=4, pinned=(30, 36), layer_budgets=layer_budgets
+    )
+    got = run_checked(six_layers, license_text, spec, prompt=200, steps=50)
+    assert {f"layer {il}" for il in range(6)} <= set(got)
+    held = {il: got[f"layer {il}"][0] for il in range(6)}
+    if layer_budgets == "pyramid":  # the lower full-attention layer keeps more than the upper one
+        assert held[1].size > held[5].size
+    else:
+        assert held[1].size == held[3].size == held[5].size
+    assert all(held[il].size <= WINDOW + got["every"] - 1 for il in (0, 2, 4))
+    if layer_budgets == "uniform" and policy not in ("streaming", "random"):
+        # same budgets, different choices: each full-attention layer scores by its own layer's statistics
+        assert not (np.array_equal(held[1], held[3]) and np.array_equal(held[1], held[5]))
 
 
 @pytest.mark.parametrize("layer_budgets", ["shared", "natural"])
@@ -279,7 +360,7 @@ def test_gemma3_270m_natural_splits_the_bytes_and_can_keep_the_window(gemma_mode
     their window (512 + 31 held: 608 cells) and the full-attention layers the rest (714 cells, 649 held); every
     group holds its budget at every step, and the sliding layers see every position of their window all along."""
     layout = model_layout(gemma_model)
-    assert layout == GEMMA3_270M
+    assert layout == GEMMA3_270M_BY_LAYER  # sliding: five layers of six, as llama.cpp lays Gemma 3 out
     assert SessionSpec.bounded("ahakv", "11MiB", layer_budgets="natural").allocation(layout, 64, 800).cache_cells == (
         1749,
         401,
@@ -310,7 +391,7 @@ def test_gemma3_270m_natural_splits_the_bytes_and_can_keep_the_window(gemma_mode
 # -- the drop-in and the command line ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layer_budgets", ["shared", "natural"])
+@pytest.mark.parametrize("layer_budgets", ["shared", "natural", "uniform"])
 def test_the_drop_in_lays_a_byte_budget_out(gemma3_fixture, license_text, layer_budgets):
     from ahakv_local import Llama
 
@@ -319,7 +400,9 @@ def test_the_drop_in_lays_a_byte_budget_out(gemma3_fixture, license_text, layer_
         n_ctx=400, n_batch=CHUNK, n_ubatch=CHUNK, verbose=False,
     ) as llm:  # fmt: skip
         e, c = llm.kv_engine, llm.kv_controller
-        assert e.kv_bytes() <= 12 * 1024 and len(c.groups) == (2 if layer_budgets == "natural" else 1)
+        assert e.kv_bytes() <= 12 * 1024 and len(c.groups) == (1 if layer_budgets == "shared" else 2)
+        if layer_budgets == "uniform":  # one cache per layer, each group named by its layer
+            assert {g.name for g in c.groups} == {"layer 0", "layer 1"}
         llm.eval(e.tokenize(license_text)[:150])
         stats = llm.kv_stats()
         assert stats.kv_bytes == sum(a for a, _ in stats.kv_group_bytes.values())
@@ -334,4 +417,4 @@ def test_the_command_line_takes_layer_budgets():
     from ahakv_local.cli import main
 
     out = CliRunner().invoke(main, ["generate", "--help"]).output
-    assert "--layer-budgets [shared|natural]" in out and "16MiB" in out
+    assert "--layer-budgets [shared|natural|uniform|pyramid]" in out and "16MiB" in out

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from ahakv_local import native
-from ahakv_local.engine import LayerCache, per_layer_groups
+from ahakv_local.budget import per_layer_groups
+from ahakv_local.engine import LayerCache
 from ahakv_local.errors import AhakvError
 from ahakv_local.fixture import FixtureSpec
 from ahakv_local.models import fixture_path
