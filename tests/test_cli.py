@@ -211,3 +211,20 @@ def test_ahakv_threads_is_read_in_one_place(fixture_model, monkeypatch):
               observe_steps=1, threads=None, n_gpu_layers=0, batch_size=None)  # fmt: skip
     with load_llama(str(fixture_model), **kw) as llm:
         assert llm.context_params.n_threads == llm.kv_engine.config.n_threads == 1
+
+
+def test_generate_with_one_cache_per_layer(tmp_path):
+    """--layer-budgets pyramid on a six-layer sliding-window fixture: the stats name every layer's group, and the
+    lower full-attention layer is allocated more than the upper one, within the byte budget."""
+    from ahakv_local.fixture import FixtureSpec
+    from ahakv_local.models import fixture_path
+
+    path = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
+    args = ["generate", str(path), "-n", "40", "--budget", "160KiB", "--layer-budgets", "pyramid", "--stats"]
+    proc = ahakv(*args, stdin="the quick brown fox " * 20)
+    assert proc.returncode == 0, proc.stderr
+    groups = dict(re.findall(r"\| (layer \d) ([\d.]+/[\d.]+) MiB", proc.stderr))
+    assert set(groups) == {f"layer {il}" for il in range(6)}, proc.stderr
+    allocated = {name: float(v.split("/")[1]) for name, v in groups.items()}
+    assert allocated["layer 1"] > allocated["layer 5"]  # pyramid: the first full-attention layer holds more
+    assert sum(allocated.values()) <= 160 / 1024 + 6 * 0.005  # each printed to two decimals
