@@ -347,7 +347,7 @@ def _per_layer(
             floor = min(keep + 1, layout.window if kind else math.inf) + every - 1
             cap = window if kind else math.inf
             weights = pyramid_weights(len(layers))
-            if mean.mode == "cells":
+            if mean.mode == "cells" and mean.value >= floor:  # below it, check_floor refuses as for natural
                 weights = spread(weights, floor / mean.value, cap / mean.value)
         for il, w in zip(layers, weights, strict=True):
             held[il] = _scaled(mean, w, window if kind else None)
@@ -364,7 +364,7 @@ def _per_layer(
 def _scaled(mean: Budget, weight: float, cap: int | None) -> Budget:
     """``mean`` times ``weight`` (a cell or ratio holding; at most ``cap`` cells); auto and none as they are."""
     if mean.mode == "cells":
-        n = max(1, round(mean.value * weight))
+        n = max(1, math.floor(mean.value * weight + 1e-9))  # rounded down: a byte budget is never exceeded
         return Budget("cells", n if cap is None else min(n, cap))
     if mean.mode == "ratio":
         caps = [c for c in (mean.cap, cap) if c is not None]
