@@ -332,10 +332,9 @@ def _per_layer(
     layer's cache its holding + one chunk + the newest token + ``room`` (a cell or byte budget: the bytes stay
     those of ``natural``, less where a sliding layer's share is capped at its window)."""
     sliding = layout.sliding
-    if layout.sliding_bytes <= 0 or not layout.window or not sliding or all(sliding) or not any(sliding):
+    if layout.sliding_bytes <= 0 or not layout.window or all(sliding) or not any(sliding):
         raise AhakvError(f"--layer-budgets {layer_budgets} needs a model with sliding-window and full-attention layers")
     natural = allocate(budget, layout, "natural", chunk, longest, room, every, sliding_share, keep)
-    extra = chunk + 1 + room
     window = layout.window + every - 1
     layers_of = {kind: [il for il, s in enumerate(sliding) if s == kind] for kind in (False, True)}
     held: dict[int, Budget] = {}
@@ -354,8 +353,8 @@ def _per_layer(
     groups = per_layer_groups(sliding)
     order = sorted(range(len(sliding)), key=lambda il: groups[il])  # the layer of each cache, by cache
     budgets = tuple(held[il] for il in order)
-    if budget.mode in ("bytes", "cells"):
-        cells = tuple(int(b.value) + extra for b in budgets)
+    if budget.mode in ("bytes", "cells"):  # each layer holds cells: its cache is what cells_for says they need
+        cells = tuple(cells_for(b, chunk, longest, room) for b in budgets)
     else:  # a ratio, auto or none can need every position: each layer's cache as natural sizes its kind's
         cells = tuple(natural.cache_cells[int(sliding[il])] for il in order)
     return Allocation(layer_budgets, budgets, cells, groups, tuple(sliding[il] for il in order))
