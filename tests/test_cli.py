@@ -213,7 +213,7 @@ def test_ahakv_threads_is_read_in_one_place(fixture_model, monkeypatch):
         assert llm.context_params.n_threads == llm.kv_engine.config.n_threads == 1
 
 
-def test_generate_with_one_cache_per_layer(tmp_path):
+def test_generate_with_one_cache_per_layer():
     """--layer-budgets pyramid on a six-layer sliding-window fixture: the stats name every layer's group, and the
     lower full-attention layer is allocated more than the upper one, within the byte budget."""
     from ahakv_local.fixture import FixtureSpec
