@@ -139,12 +139,14 @@ def cells_for(budget: Budget, chunk: int, longest: int, room: int = 0) -> int:
     return longest + room
 
 
-LayerBudgets = Literal["shared", "natural", "uniform", "pyramid"]
+LayerBudgets = Literal["shared", "natural", "uniform", "pyramid", "adaptive"]
 LAYER_BUDGETS: tuple[str, ...] = get_args(LayerBudgets)
-PER_LAYER: tuple[str, ...] = ("uniform", "pyramid")  # one cache per layer (EngineConfig.layer_groups)
+PER_LAYER: tuple[str, ...] = ("uniform", "pyramid", "adaptive")  # one cache per layer (EngineConfig.layer_groups)
 # pyramid: a kind's first layer holds (1 + PYRAMID_SLOPE) times the kind's mean, its last (1 - PYRAMID_SLOPE)
 # times, linearly in between (PyramidKV: lower layers attend broadly, upper ones to few tokens). Not tuned
 PYRAMID_SLOPE = 0.5
+# adaptive: a layer's holding stays within (1 -/+ ADAPTIVE_RANGE) times its kind's mean, the pyramid's range
+ADAPTIVE_RANGE = 0.5
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,7 @@ def allocate(
     every: int = 1,
     sliding_share: float | None = None,
     keep: int = 0,
+    layer_weights: Sequence[float] | None = None,
 ) -> Allocation:
     """Lay ``budget`` out on the layer groups and caches of a model read ``chunk`` tokens at a time, at most
     ``longest`` long, with ``room`` for a guided reading and an eviction every ``every`` steps.
@@ -212,7 +215,9 @@ def allocate(
     if layer_budgets not in LAYER_BUDGETS:
         raise AhakvError(f"layer budgets must be {', '.join(LAYER_BUDGETS)}, not {layer_budgets!r}")
     if layer_budgets in PER_LAYER:
-        return _per_layer(budget, layout, layer_budgets, chunk, longest, room, every, sliding_share, keep)
+        return _per_layer(
+            budget, layout, layer_budgets, chunk, longest, room, every, sliding_share, keep, layer_weights
+        )
     two = layout.sliding_bytes > 0
     natural = two and layout.window > 0 and layer_budgets == "natural"
     extra = chunk + 1 + room  # what cells_for adds to the cells a group holds
@@ -326,11 +331,14 @@ def _per_layer(
     every: int,
     sliding_share: float | None,
     keep: int,
+    layer_weights: Sequence[float] | None = None,
 ) -> Allocation:
-    """One cache per layer (``uniform``, ``pyramid``): the ``natural`` layout's holdings of each kind, every layer
-    of the kind holding the same (uniform) or a share falling with depth around it (pyramid, mean kept), each
-    layer's cache its holding + one chunk + the newest token + ``room`` (a cell or byte budget: the bytes stay
-    those of ``natural``, less where a sliding layer's share is capped at its window)."""
+    """One cache per layer (``uniform``, ``pyramid``, ``adaptive``): the ``natural`` layout's holdings of each kind,
+    every layer of the kind holding the same (uniform; adaptive until it has measured the layers), a share
+    falling with depth around it (pyramid, mean kept) or ``layer_weights`` times it (adaptive: by layer, mean 1
+    over each kind, held within ``ADAPTIVE_RANGE`` of it), each layer's cache its holding + one chunk + the
+    newest token + ``room`` (a cell or byte budget: the bytes stay those of ``natural``, less where a sliding
+    layer's share is capped at its window or a holding is rounded down)."""
     sliding = layout.sliding
     if layout.sliding_bytes <= 0 or not layout.window or all(sliding) or not any(sliding):
         raise AhakvError(f"--layer-budgets {layer_budgets} needs a model with sliding-window and full-attention layers")
@@ -341,13 +349,21 @@ def _per_layer(
     for kind, layers in layers_of.items():
         mean = natural.groups[int(kind)]
         weights = [1.0] * len(layers)
+        low, high = 0.0, math.inf
         if layer_budgets == "pyramid":
+            weights = pyramid_weights(len(layers))
+        elif layer_budgets == "adaptive" and layer_weights is not None:
+            given = [float(layer_weights[il]) for il in layers]
+            weights = [w * len(given) / sum(given) for w in given]  # mean 1 over the kind
+            low, high = 1 - ADAPTIVE_RANGE, 1 + ADAPTIVE_RANGE
+        if weights != [1.0] * len(layers) and mean.mode == "cells":
             # no layer below what its protected positions and one eviction period need (KVController.check_floor)
             floor = min(keep + 1, layout.window if kind else math.inf) + every - 1
             cap = window if kind else math.inf
-            weights = pyramid_weights(len(layers))
-            if mean.mode == "cells" and mean.value >= floor:  # below it, check_floor refuses as for natural
-                weights = spread(weights, floor / mean.value, cap / mean.value)
+            if mean.value >= floor:  # below it, check_floor refuses as for natural
+                weights = spread(weights, max(low, floor / mean.value), min(high, cap / mean.value))
+        elif weights != [1.0] * len(layers):
+            weights = spread(weights, low, high)
         for il, w in zip(layers, weights, strict=True):
             held[il] = _scaled(mean, w, window if kind else None)
     groups = per_layer_groups(sliding)

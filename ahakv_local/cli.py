@@ -106,8 +106,9 @@ def engine_options(f):
             envvar="AHAKV_LAYER_BUDGETS",
             help="How the budget is laid out on the layers: shared, one pool for every layer; natural, one group per "
             "KV cache (sliding-window models: the sliding layers keep their window, the full-attention layers the "
-            "rest); uniform and pyramid, one KV cache per layer, each layer keeping its own tokens (pyramid: lower "
-            "layers keep more, as PyramidKV).",
+            "rest); uniform, pyramid and adaptive, one KV cache per layer, each layer keeping its own tokens (pyramid: "
+            "lower layers keep more, as PyramidKV; adaptive: layers whose attention spreads wider keep more, "
+            "re-decided every 256 tokens).",
         ),
         click.option("--policy", cls=PolicyOption, default="ahakv", show_default=True, envvar="AHAKV_POLICY"),
         click.option(

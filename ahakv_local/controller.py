@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .adaptive import LayerShares
 from .budget import Allocation, Budget, LayerBudgets, allocate, cells_for
 from .engine import Engine, decode_batch
 from .errors import AhakvError
@@ -108,6 +109,12 @@ class KVController:
 
     def __init__(self, engine: Engine, policy: Policy, config: ControllerConfig):
         self.engine, self.config = engine, config
+        self.shares: LayerShares | None = None  # adaptive layer budgets: each layer's share, re-decided
+        self._resize_to: tuple[int, ...] | None = None  # the cache sizes of a decision not yet applied
+        if config.layer_budgets == "adaptive":
+            if not engine.resizable:
+                raise AhakvError("layer budgets 'adaptive' resize the caches: not possible on a shared context")
+            self.shares = LayerShares(engine.layer_sliding)
         self.check_budget(config.budget, policy)
         self.groups: list[LayerGroup] = make_groups(engine, policy, self.allocation(config.budget))
         self.stats = ControllerStats(cells_used=self.live.size, tokens_seen=engine.n_past)
@@ -136,11 +143,14 @@ class KVController:
         """Each group's (allocated, used) K+V bytes, by name: its cache's (the shared group: every cache's)."""
         return {g.name: (g.allocated_bytes(self.engine), g.used_bytes(self.engine)) for g in self.groups}
 
-    def allocation(self, budget: Budget) -> Allocation:
+    def allocation(self, budget: Budget, layer_weights: Sequence[float] | None = None) -> Allocation:
         """``budget`` laid out on this engine's layer groups (``budget.allocate``; a byte budget counts every
-        layer's K+V bytes and may be refused as too small)."""
+        layer's K+V bytes and may be refused as too small); adaptive: with the layers' current shares, or
+        ``layer_weights``."""
         every = self.config.evict_every
         e = self.engine
+        if layer_weights is None and self.shares is not None:
+            layer_weights = self.shares.weights
         return allocate(
             budget,
             e.cache_layout(),
@@ -151,6 +161,7 @@ class KVController:
             every,
             self.config.sliding_share,
             self.config.n_sink + self.config.n_recent,
+            layer_weights,
         )
 
     # -- decoding ------------------------------------------------------------------------------------
@@ -246,6 +257,8 @@ class KVController:
         flags = self.policy.query_flags
         if self.config.track_mass:
             flags |= TapFlag.ATTN
+        if self._resize_to is not None:
+            self._resize()
         self._set_tap(flags, 0)  # every row of the query
         if flags & TapFlag.SIDE:
             target = self.groups[0].budget.target(e.n_past) or self.live.size
@@ -398,6 +411,7 @@ class KVController:
             g.policy.truncate(0)
             g.obs = None
         self._pending = 0
+        self._resize_to = None  # the state was made for the caches as they are
         self.stats.cells_used = self.live.size
         self.stats.tokens_seen = self.engine.n_past
 
@@ -418,6 +432,8 @@ class KVController:
             g.obs = None
             if n == 0:
                 g.decided = None
+        if self.shares is not None and n == 0:
+            self.shares.restart(0)
         self._pending = 0  # the summed rows may include forgotten positions' queries: drop them
         self.stats.tokens_seen = n
         self.stats.cells_used = self.live.size
@@ -457,6 +473,8 @@ class KVController:
             flags &= TapFlag.VNORM | (TapFlag.ATTN if self.policy.accumulates else TapFlag(0))
         elif self._pending:
             self._observe_block()
+        if self._resize_to is not None:
+            self._resize()
         if flags & TapFlag.SIDE:
             target = self.groups[0].budget.target(e.n_past + n_tokens) or self.stats.budget or n_tokens
             e.set_side_scale(self.policy.side_scale(e.n_past + n_tokens, target))
@@ -526,14 +544,44 @@ class KVController:
         if not self.policy.evicts or not self.config.budget.evicts or self._tap is None:
             return 0
         scores = query_scores if query_scores is not None else [None] * len(self.groups)
-        return sum(self._evict(g, q, alone) for g, q in zip(self.groups, scores, strict=True))
+        gone = sum(self._evict(g, q, alone) for g, q in zip(self.groups, scores, strict=True))
+        if self.shares is not None and self.shares.due(self.engine.n_past):
+            gone += self._adapt()
+        return gone
 
-    def _evict(self, g: LayerGroup, query_scores: np.ndarray | None, alone: bool = False) -> int:
+    def _adapt(self) -> int:
+        """Adaptive layer budgets: re-split each kind's holdings over its layers (``adaptive.LayerShares``),
+        evict from the layers that now hold less, and give every cache its new size (a new context: the tap
+        starts over). Returns how many positions went."""
+        allocation = self.allocation(self.config.budget, self.shares.decide(self.engine.n_past))
+        for g, held in zip(self.groups, allocation.groups, strict=True):
+            g.budget = held
+        gone = sum(self._evict(g, None, measure=False) for g in self.groups)
+        self.shares.applied({int(g.layers[0]): g.budget for g in self.groups})
+        e = self.engine
+        if tuple(allocation.cache_cells) != tuple(e.cache_cells(c) for c in e.caches):
+            self._resize_to = tuple(allocation.cache_cells)
+        return gone
+
+    def _resize(self) -> None:
+        """Give the caches the sizes the last adaptive decision chose, just before the next decode: the last
+        decode's logits live in the old context, where a sampler (the drop-in's) still reads them."""
+        e, cells = self.engine, self._resize_to
+        self._resize_to = None
+        e.resize_caches(cells)
+        self._tap = None  # the new context taps nothing until told
+        for g in self.groups:
+            if g.window:  # llama.cpp reads back only what a sliding cache's window still sees
+                g.live, g.obs = g.read_live(e), None
+
+    def _evict(self, g: LayerGroup, query_scores: np.ndarray | None, alone: bool = False, measure: bool = True) -> int:
         if g.obs is None or g.obs.positions is not g.live:
             # the live set changed since the last decode (an eviction, a new budget): re-read the
             # accumulated statistics for it; the policy has already observed them
             g.obs = self._observe(g, self._tap[0])
         obs, budget = g.obs, g.budget
+        if self.shares is not None and measure:  # adaptive: the layer's fill (once per observation)
+            self.shares.observe(int(g.layers[0]), obs)
         if budget.mode == "auto" and (obs.verr is None or obs.vnorm is None):
             return 0  # the error model decides at the next observed step (the budget just became auto)
         n = g.live.size

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import dataclasses
 import enum
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,16 +213,12 @@ class Engine:
             raise AhakvError(f"{path.name} has no sliding-window cache: {what}")
         if groups:
             self._check_layer_groups(groups, self._layer_sliding())
-        if set_next_caches(cache_cells, groups) != 0:
-            self._model.close()
-            raise AhakvError(f"bad cache sizes {cache_cells}")
+        self._cparams = cparams  # a resize (``resize_caches``) makes the next context with them
         try:
-            self._ctx = upstream.new_context(self._model, cparams, config.verbose)
-        except ValueError as exc:
+            self._ctx = self._new_context(cache_cells)
+        except AhakvError:
             self._model.close()
-            raise AhakvError(f"cannot create a context for {path} (n_ctx={config.n_ctx})") from exc
-        finally:
-            clear_next_caches()
+            raise
         self._batch = upstream.new_batch(config.n_batch, config.verbose)
         self._owned = True
         self.seq, self.shared = SEQ, config.n_seq > 1
@@ -230,6 +228,50 @@ class Engine:
             if wanted and got != wanted:
                 self.close()
                 raise AhakvError(f"the engine gave the {cache_name(cache)} cache {got} cells, not the {wanted} asked")
+
+    def _new_context(self, cache_cells: tuple[int, ...]):
+        """A context of this engine's model and parameters whose caches have ``cache_cells`` cells."""
+        if set_next_caches(cache_cells, self.config.layer_groups) != 0:
+            raise AhakvError(f"bad cache sizes {cache_cells}")
+        try:
+            return upstream.new_context(self._model, self._cparams, self.config.verbose)
+        except ValueError as exc:
+            raise AhakvError(f"cannot create a context for {self.path} (n_ctx={self.config.n_ctx})") from exc
+        finally:
+            clear_next_caches()
+
+    def resize_caches(self, cache_cells: Sequence[int]) -> None:
+        """Give the caches these cells (one count per cache, every one holding at least the cells it uses now),
+        keeping the sequence: llama.cpp cannot resize a cache, so its state moves to a new context of the new
+        sizes and the old one is freed (the positions stay; the cells are renumbered, and the value norms are
+        recomputed from V by the reader). The tap's flags, side scale and summed statistics start over: call it
+        between observations. Memory peaks at the old context plus the state (about the bytes in use) during
+        the move. An attached engine's ``llama_cpp.Llama`` gets the new context (``resizable``)."""
+        if not self.resizable:
+            raise AhakvError("only a one-sequence context an engine made or is attached to can resize its caches")
+        config = self.config
+        cells = self._check_cache_cells(
+            dataclasses.replace(config, cache_cells=tuple(cache_cells)), min(config.n_ubatch, config.n_batch)
+        )
+        for cache, n in enumerate(cells):
+            used = self.n_used(self.layer_cache.index(cache))
+            if n < max(used, 1):
+                raise AhakvError(f"the {cache_name(cache)} cache holds {used} cells: {n} cannot hold them")
+        llama_cpp = self._llama_cpp
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, self.seq)
+        state = (ctypes.c_uint8 * size)()
+        size = llama_cpp.llama_state_seq_get_data(self.ctx, state, size, self.seq)
+        self._cparams.n_ctx = max(max(cells), self.config.n_ctx)
+        new = self._new_context(cells)
+        if llama_cpp.llama_state_seq_set_data(new.ctx, state, size, self.seq) != size:
+            new.close()  # the old context still holds the sequence
+            raise AhakvError(f"the new caches {cells} could not take the sequence's state")
+        old, self._ctx = self._ctx, new
+        if not self._owned:
+            upstream.replace_context(self._owner(), new)
+        old.close()  # llama.cpp frees it now; a Llama closing its own later finds it closed
+        self.config = dataclasses.replace(self.config, cache_cells=cells)
+        self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
 
     @staticmethod
     def _check_cache_cells(config: EngineConfig, n_ubatch: int) -> tuple[int, ...]:
@@ -295,8 +337,16 @@ class Engine:
         )
         self._model, self._ctx, self._batch = upstream.handles(llm)
         self._owned = False
+        self._owner = weakref.ref(llm)  # a resize hands it the new context (``resize_caches``)
+        self._cparams = p
         self.seq, self.shared = SEQ, False
         self._describe()
+        if len(self.caches) > 2:  # layer groups (set_next_caches before the Llama made its context)
+            self.config = dataclasses.replace(
+                self.config,
+                layer_groups=tuple(int(c) for c in self.layer_cache),
+                cache_cells=tuple(self.cache_cells(c) for c in self.caches),
+            )
         return self
 
     def _describe(self) -> None:
@@ -331,6 +381,14 @@ class Engine:
         return v
 
     # -- resources ---------------------------------------------------------------------------------
+
+    @property
+    def resizable(self) -> bool:
+        """Whether ``resize_caches`` can replace this engine's context: one it made for one sequence, or a
+        ``llama_cpp.Llama``'s it is attached to (not a view of a shared context)."""
+        owner = getattr(self, "_owner", None)
+        attached = owner is not None and owner() is not None
+        return self.config.n_seq == 1 and (getattr(self, "_owned", False) or attached)
 
     @property
     def ctx(self) -> int:

@@ -118,6 +118,12 @@ def handles(llm) -> tuple[Any, Any, Any]:
     return llm._model, llm._ctx, llm._batch
 
 
+def replace_context(llm, ctx) -> None:
+    """Make ``ctx`` (a ``LlamaContext`` of the same model) the context every later call of ``llm`` uses; the
+    model frees it when it closes, as it does the context upstream made (``LlamaContext`` registers itself)."""
+    llm._ctx = ctx
+
+
 def replace_handles(llm, stand_in) -> None:
     """After ``close()``: put ``stand_in`` where every later call would find a freed native pointer."""
     llm._model = llm._ctx = llm._batch = llm.tokenizer_ = stand_in

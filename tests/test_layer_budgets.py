@@ -417,4 +417,4 @@ def test_the_command_line_takes_layer_budgets():
     from ahakv_local.cli import main
 
     out = CliRunner().invoke(main, ["generate", "--help"]).output
-    assert "--layer-budgets [shared|natural|uniform|pyramid]" in out and "16MiB" in out
+    assert "--layer-budgets [shared|natural|uniform|pyramid|adaptive]" in out and "16MiB" in out

@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"errors", "paths", "extras", "budget", "fixture", "gguf_header", "models", "upstream"}),
     ("native boundary", {"info", "native", "build", "rpc", "saved_chat"}),
     ("engine and policies", {"engine", "policies"}),
-    ("controller", {"controller", "groups"}),
+    ("controller", {"controller", "groups", "adaptive"}),
     ("bounded session", {"session"}),
     ("users of a session", {"llama", "evaluation", "needle", "longdoc", "parallel"}),
     ("front ends", {"bench", "chat", "server", "plots", "report", "__init__"}),

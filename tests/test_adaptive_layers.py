@@ -1,0 +1,261 @@
+"""Adaptive layer budgets (``--layer-budgets adaptive``): caches resized while a sequence is read
+(``Engine.resize_caches``), each layer's share measured from its attention (``adaptive.LayerShares``) and laid
+out within its kind's bytes (``budget.allocate``).
+
+Fixture: the random-weight gemma3 GGUF with six layers (ahakv_local/fixture.py): layers 0, 2 and 4 slide over 24
+positions, layers 1, 3 and 5 attend to every position; one cache per layer. References:
+
+* numpy's softmax of the model's own Q and K over each layer's survivors (``check_rows_against_reference``)
+  after a resize that renumbers every cell;
+* the same engine without a resize, bit for bit, where the resize leaves every live cell where it was (no holes:
+  the state is read back into cells 0.. in the order it was written);
+* the fill of a layer from its definition on attention patterns whose entropy is known (uniform, one-hot).
+
+Numerics: F32 K/V caches; bounds from F32 = 2^-24 (tests/numerics.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_layer_budgets import CHUNK, GEMMA3_270M_BY_LAYER, GEMMA3_LAYERS, run_checked
+from test_per_layer_caches import PER_LAYER
+
+from ahakv_local import adaptive
+from ahakv_local.adaptive import LayerShares, fill
+from ahakv_local.budget import ADAPTIVE_RANGE, Budget, allocate
+from ahakv_local.errors import AhakvError
+from ahakv_local.fixture import FixtureSpec
+from ahakv_local.models import fixture_path
+from ahakv_local.native import TapFlag
+from ahakv_local.policies import POLICIES, Observation
+from ahakv_local.session import SessionSpec, open_session
+
+from capture import Capture
+from numerics import norm_rtol
+from test_layer_groups import QK_OPS, check_rows_against_reference, make_engine, tokens
+
+EVICTING = sorted(set(POLICIES) - {"full"})
+
+
+@pytest.fixture(scope="module")
+def six_layers():
+    return fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
+
+
+# -- the engine: a context of new sizes keeps the sequence --------------------------------------------------
+
+
+def test_a_resized_context_attends_to_the_same_survivors(six_layers, license_text):
+    """Evictions that differ per layer, then caches of other sizes (some smaller, some larger): every layer keeps
+    its live positions, each cache has the cells asked (and the bytes), and each layer's softmax row after the
+    move is numpy's over its own survivors; a second resize after more evictions, and decoding refills cells."""
+    cap = Capture(("Qcur-", "Kcur-", "kq_soft_max-"), ops=QK_OPS)
+    with make_engine(six_layers, cap, layer_groups=PER_LAYER, cache_cells=(64, 48, 72, 56, 80, 64)) as e:
+        toks = tokens(e, license_text, 64)
+        e.decode(toks[:40])
+        evicted = {c: {2 + c, 9 + 2 * c, 28 + c, 37 - c} for c in e.caches}
+        for cache, victims in evicted.items():
+            e.evict(sorted(victims), cache=cache)
+        before = [e.live_positions(il).copy() for il in range(6)]
+        one_cell = e.kv_bytes() // sum(e.cache_cells(c) for c in e.caches)
+        sizes = (44, 64, 36, 90, 48, 70)  # cache 0 (36 live cells) with room for the 6 tokens before t = 46
+        e.resize_caches(sizes)
+        assert [e.cache_cells(c) for c in e.caches] == list(sizes) and e.kv_bytes() == sum(sizes) * one_cell
+        for il in range(6):  # a sliding layer's state holds only its window (llama.cpp's reader drops the rest)
+            want = before[il][before[il] > 39 - e.n_swa] if e.layer_sliding[il] else before[il]
+            np.testing.assert_array_equal(e.live_positions(il), want, f"layer {il} lost or gained positions")
+        for t in range(40, 52):
+            e.decode([toks[t]])
+            check_rows_against_reference(e, cap, t, evicted)
+            if t == 45:
+                for cache, p in ((0, [41, 43]), (2, [42, 44])):
+                    e.evict(p, cache=cache)
+                    evicted[cache] |= set(p)
+                e.resize_caches((72,) * 6)
+        e.decode(toks[52:64])
+        assert e.n_past == 64
+
+
+def test_a_resize_without_holes_is_bit_for_bit(six_layers, license_text):
+    """No evictions, and a resize before the sliding window is full (the reader drops what a window no longer
+    sees): the state goes back into cells 0.. in the order it came out, so every live cell is where it was, and
+    the logits of single-token decodes are those of the engine that was not resized, bit for bit, through and past
+    the window. (A batch of rows is not: its kernel spans the larger caches' empty cells in other blocks.)"""
+    with (
+        make_engine(six_layers, layer_groups=PER_LAYER, cache_cells=(128,) * 6) as a,
+        make_engine(six_layers, layer_groups=PER_LAYER, cache_cells=(128,) * 6) as b,
+    ):
+        toks = tokens(a, license_text, 60)
+        np.testing.assert_array_equal(a.decode(toks[:20]), b.decode(toks[:20]))
+        a.resize_caches((128, 160, 200, 130, 256, 140))
+        for t in range(20, 60):
+            np.testing.assert_array_equal(a.decode([toks[t]]), b.decode([toks[t]]), f"logits at position {t}")
+
+
+def test_the_value_norms_survive_a_resize(six_layers, license_text):
+    """The value norms are not in llama.cpp's state: the reader recomputes them from V on the host. They equal
+    the ones the graph wrote, to an F32 norm's rounding in another order (norm_rtol(head_dim), each side)."""
+    with make_engine(six_layers, layer_groups=PER_LAYER, cache_cells=(64,) * 6) as e:
+        toks = tokens(e, license_text, 41)
+        e.set_tap(TapFlag.VNORM, 0)
+        e.decode(toks[:40])
+        for c in e.caches:
+            e.evict([3 + c, 17, 30 - c], cache=c)
+        before = [e.stat("vnorm", il) for il in range(6)]
+        e.resize_caches((50, 40, 60, 45, 70, 38))
+        e.set_tap(TapFlag.VNORM, 0)
+        e.decode([toks[40]])  # the reader's recomputation happens before the next use
+        for il in range(6):
+            got = e.stat("vnorm", il)
+            old = before[il]
+            kept = old.positions > 39 - e.n_swa if e.layer_sliding[il] else old.positions >= 0  # see above
+            assert np.array_equal(got.positions[:-1], old.positions[kept]) and got.positions[-1] == 40
+            tol = 2 * norm_rtol(e.head_dim) * old.values[:, kept] + 2.0**-126
+            assert np.all(np.abs(got.values[:, :-1] - old.values[:, kept]) <= tol), f"layer {il}"
+
+
+def test_resizes_that_cannot_be_are_refused(six_layers, license_text):
+    with make_engine(six_layers, layer_groups=PER_LAYER, cache_cells=(64,) * 6) as e:
+        toks = tokens(e, license_text, 41)
+        logits = e.decode(toks[:40])
+        with pytest.raises(AhakvError, match="holds 40 cells: 39 cannot hold them"):
+            e.resize_caches((64, 39, 64, 64, 64, 64))
+        assert [e.cache_cells(c) for c in e.caches] == [64] * 6  # nothing changed
+        assert e.live_positions(0).size == 40 and np.isfinite(logits).all()
+        e.decode([toks[40]])
+    with make_engine(six_layers, n_seq=2, layer_groups=PER_LAYER, cache_cells=(128,) * 6) as shared:
+        with pytest.raises(AhakvError, match="one-sequence context"):
+            shared.view(1).resize_caches((128,) * 6)
+
+
+# -- the shares: measured, decided, laid out ---------------------------------------------------------------
+
+
+def observation(attn: np.ndarray, visible: np.ndarray) -> Observation:
+    n = attn.shape[-1]
+    return Observation(np.arange(n), n, 1, n, visible[None, :], attn=attn[None].astype(np.float32))
+
+
+def test_fill_is_the_effective_share_of_what_a_layer_sees():
+    n, seen = 40, np.arange(40) >= 10  # 30 positions visible
+    uniform = np.where(seen, 1.0, 0.0) * np.ones((4, n))
+    assert fill(observation(uniform, seen)) == pytest.approx(1.0)
+    one_hot = np.zeros((4, n))
+    one_hot[np.arange(4), [12, 20, 25, 39]] = 2.0
+    assert fill(observation(one_hot, seen)) == pytest.approx(1 / 30)
+    # two heads uniform over 10 and 15 of the 30: exp(entropy) = 10 and 15
+    mixed = np.zeros((2, n))
+    mixed[0, 10:20], mixed[1, 25:40] = 0.1, 1 / 15
+    assert fill(observation(mixed, seen)) == pytest.approx((10 + 15) / 2 / 30)
+    assert fill(Observation(np.arange(n), n, 1, n, seen[None, :])) is None  # no softmax tapped
+
+
+def test_shares_follow_the_fill_within_each_kind(monkeypatch):
+    monkeypatch.setattr(adaptive, "ADAPT_EVERY", 100)
+    sliding = [True, False, True, False, True, False]
+    shares = LayerShares(sliding)
+    assert not shares.due(500)  # nothing measured yet
+    fills = [0.2, 0.1, 0.4, 0.3, 0.6, 0.2]
+    for il, f in enumerate(fills):
+        shares.fill[il] = f
+    assert not shares.due(99) and shares.due(100)
+    w = shares.decide(130)
+    assert shares.next_at == 230
+    # within each kind: proportional to the fill, mean 1 (sliding 0.2/0.4/0.6, full 0.1/0.3/0.2)
+    np.testing.assert_allclose(w[[0, 2, 4]], [0.5, 1.0, 1.5])
+    np.testing.assert_allclose(w[[1, 3, 5]], [0.5, 1.5, 1.0])
+    shares.applied({il: Budget("cells", 100 * w[il]) for il in range(6)})
+    np.testing.assert_allclose(shares.weights, w)
+    shares.applied({0: Budget("cells", 50), 2: Budget("cells", 100), 4: Budget("cells", 150)} | {
+        il: Budget("auto") for il in (1, 3, 5)})  # fmt: skip
+    np.testing.assert_allclose(shares.weights, [0.5, w[1], 1.0, w[3], 1.5, w[5]])  # auto: weights kept
+    shares.fill[:] = [0.3, 0.2, 0.3, 0.2, 0.3, 0.2]  # every layer of a kind fills alike: the shares stay
+    np.testing.assert_allclose(shares.decide(230), w)
+    shares.restart(300)
+    assert np.isnan(shares.fill).all() and shares.next_at == 400
+
+
+@pytest.mark.parametrize("text", ["16MiB", "5MiB", "1024"])
+def test_adaptive_layouts_on_gemma3_270m(text):
+    """Without weights adaptive is uniform; with weights each kind's holdings follow them within
+    ADAPTIVE_RANGE of the kind's mean (and the window, and the floor), never above natural's bytes."""
+    chunk, every, keep = 64, 32, 36
+    budget = Budget.parse(text)
+    uniform = allocate(budget, GEMMA3_270M_BY_LAYER, "uniform", chunk, 4096, 0, every, None, keep)
+    natural = allocate(budget, GEMMA3_270M_BY_LAYER, "natural", chunk, 4096, 0, every, None, keep)
+    unweighted = allocate(budget, GEMMA3_270M_BY_LAYER, "adaptive", chunk, 4096, 0, every, None, keep)
+    assert unweighted.groups == uniform.groups and unweighted.cache_cells == uniform.cache_cells
+    weights = [3.0 if il % 4 == 0 else 1.0 for il in range(18)]  # far outside the range: clamped
+    a = allocate(budget, GEMMA3_270M_BY_LAYER, "adaptive", chunk, 4096, 0, every, None, keep, weights)
+    assert sum(a.cache_cells) * 1024 <= GEMMA3_270M_BY_LAYER.bytes(natural.cache_cells)
+    by_layer = [int(a.groups[a.layer_groups[il]].value) for il in range(18)]
+    for kind in (False, True):
+        mean = natural.groups[int(kind)].value
+        held = [h for h, s in zip(by_layer, GEMMA3_LAYERS, strict=True) if s == kind]
+        heavy = [h for il, h in enumerate(by_layer) if GEMMA3_LAYERS[il] == kind and il % 4 == 0]
+        light = [h for il, h in enumerate(by_layer) if GEMMA3_LAYERS[il] == kind and il % 4 != 0]
+        floor = min(keep + 1, 512 if kind else 10**9) + every - 1
+        cap = 512 + every - 1 if kind else 10**9
+        assert min(held) >= max(floor, (1 - ADAPTIVE_RANGE) * mean) - 1
+        assert max(held) <= min(cap, (1 + ADAPTIVE_RANGE) * mean)
+        if heavy and light and min(heavy) < cap:
+            assert min(heavy) > max(light), "a layer weighted up must hold more"
+
+
+# -- the controller -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+def test_every_layer_holds_its_adaptive_budget(six_layers, license_text, policy, monkeypatch):
+    """Decisions every 32 positions: every layer's group holds its (changing) budget at every step, its live
+    positions are its cache's map after each resize, no protected position is evicted (run_checked), the caches
+    end within the byte budget, and the shares moved."""
+    monkeypatch.setattr(adaptive, "ADAPT_EVERY", 32)
+    budget = "40KiB"
+    spec = SessionSpec.bounded(
+        policy, budget, n_sink=4, n_recent=8, evict_every=4, pinned=(30, 36), layer_budgets="adaptive"
+    )
+    got = run_checked(six_layers, license_text, spec, prompt=200, steps=50)
+    assert got["kv_bytes"] <= Budget.parse(budget).value
+    assert {f"layer {il}" for il in range(6)} <= set(got)
+
+
+def test_an_adaptive_session_resizes_as_it_reads(six_layers, license_text, monkeypatch):
+    monkeypatch.setattr(adaptive, "ADAPT_EVERY", 48)
+    spec = SessionSpec.bounded("ahakv", "40KiB", n_recent=8, evict_every=4, layer_budgets="adaptive")
+    with open_session(six_layers, spec, longest=400, n_ubatch=CHUNK) as s:
+        c, e = s.controller, s.engine
+        first = [e.cache_cells(k) for k in e.caches]
+        toks = e.tokenize(license_text)[:260]
+        c.prefill(toks[:200])
+        for t in toks[200:]:
+            c.step(t)
+        assert c.shares.decisions == 260 // 48
+        assert [e.cache_cells(k) for k in e.caches] != first, "the caches never changed size"
+        assert e.kv_bytes() <= 40 * 1024
+        for g in c.groups:
+            np.testing.assert_array_equal(g.live, g.read_live(e))
+        for kind in (False, True):  # within a kind, at most (1 + range) / (1 - range) apart (+ a cell of rounding)
+            held = [g.budget.value for g in c.groups if e.layer_sliding[g.layers[0]] == kind]
+            assert max(held) <= (1 + ADAPTIVE_RANGE) / (1 - ADAPTIVE_RANGE) * min(held) + 1
+
+
+def test_the_drop_in_resizes_its_own_context(six_layers, license_text, monkeypatch):
+    """The drop-in's context belongs to llama_cpp.Llama: a resize hands it the new one, and generation goes on
+    through upstream's own calls (sampling reads the new context's logits)."""
+    from ahakv_local import Llama
+
+    monkeypatch.setattr(adaptive, "ADAPT_EVERY", 48)
+    with Llama(
+        str(six_layers), kv_budget="40KiB", kv_policy="h2o", kv_recent=8, kv_layer_budgets="adaptive",
+        n_ctx=400, n_batch=CHUNK, n_ubatch=CHUNK, verbose=False,
+    ) as llm:  # fmt: skip
+        e, c = llm.kv_engine, llm.kv_controller
+        prompt = llm.detokenize(e.tokenize(license_text)[1:180]).decode(errors="replace")
+        out = llm.create_completion(prompt, max_tokens=40, temperature=0.0)
+        assert out["usage"]["completion_tokens"] > 0
+        assert c.shares.decisions >= 3 and llm._ctx.ctx == e.ctx
+        assert e.kv_bytes() <= 40 * 1024
+        for g in c.groups:
+            np.testing.assert_array_equal(g.live, g.read_live(e))
