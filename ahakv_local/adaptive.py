@@ -25,7 +25,7 @@ from .budget import Budget
 from .policies import Observation
 
 ADAPT_EVERY = 256  # positions between two decisions (each costs a context of the new sizes: ~10 ms here)
-ADAPT_GAMMA = 1.0  # how far one decision moves the shares toward equal fill
+ADAPT_GAMMA = 0.5  # how far one decision moves the shares toward equal fill (LGPL-2.1: 0.5, 1, 2 tried)
 FILL_SMOOTHING = 0.3  # weight of the newest observation in a layer's running fill
 
 

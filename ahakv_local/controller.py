@@ -59,6 +59,7 @@ class Surprisal:
     The logits of all 64 rows of a chunk cost the prompt about 2.5x its time on Gemma 3 270M (262,144 tokens)."""
 
     kernel: int = 15
+    ahead: int | None = None  # of the kernel's positions, how many follow the scored one (None: centred)
 
 
 @dataclass
@@ -195,7 +196,7 @@ class KVController:
                 piece = tokens[i : i + chunk]
                 if by_surprisal:
                     logits = self._decode(piece, self.policy.window, True)
-                    before = self._evict_by_surprisal(piece, logits, before, query.kernel)
+                    before = self._evict_by_surprisal(piece, logits, before, query)
                     rows.append(logits if all_logits else logits[-1])
                     continue
                 rows.append(self._decode(piece, self.policy.window, all_logits))
@@ -217,11 +218,11 @@ class KVController:
             g.policy.reading(guided)
 
     def _evict_by_surprisal(
-        self, piece: Sequence[int], logits: np.ndarray, before: np.ndarray | None, kernel: int
+        self, piece: Sequence[int], logits: np.ndarray, before: np.ndarray | None, rule: Surprisal
     ) -> np.ndarray:
         """Remember the surprisal of the chunk just decoded (``logits``: one row per token; ``before``: the row
         that predicted its first token, None at the start of a read: the chunk's mean stands in) by position in
-        every group, evict by it averaged over ``kernel`` positions (``Surprisal``); return the chunk's last row."""
+        every group, evict by it averaged as ``rule`` says (``Surprisal``); return the chunk's last row."""
         rows = np.vstack([before, logits[:-1]]) if before is not None else logits[:-1]
         top = rows.max(axis=1)  # F32, as the logits come: float64 would cost 10x the time for nothing the ranking needs
         log_z = top + np.log(np.exp(rows - top[:, None]).sum(axis=1))
@@ -233,7 +234,7 @@ class KVController:
         for g in self.groups:
             g.grow_best(n)
             g.best[n - len(piece) : n] = surprisal
-        pooled = avg_pool(self.groups[0].best[:n], kernel)  # by position: the same for every group
+        pooled = avg_pool(self.groups[0].best[:n], rule.kernel, rule.ahead)  # by position: the same for every group
         self.evict([pooled[g.live] for g in self.groups], alone=True)
         return logits[-1]
 

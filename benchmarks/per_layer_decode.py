@@ -1,7 +1,8 @@
 """One KV cache per layer (patch 0013) against llama.cpp's two caches, engine only: the logits of a prompt and of
 single-token decodes must be bit for bit the same when every layer's cache has the size its two-cache twin has,
 and the time per token is printed for equal sizes (f16) and for a byte budget's mixed sizes (q5_0, flash
-attention), tap off and on.
+attention), tap off and on; then what one resize of the per-layer caches costs (``Engine.resize_caches``, what
+``--layer-budgets adaptive`` does at each decision) after the prompt.
 
     AHAKV_THREADS=2 python benchmarks/per_layer_decode.py --text /usr/share/common-licenses/GPL-3
 """
@@ -34,6 +35,25 @@ def run(model, config: EngineConfig, tokens: list[int], prompt: int, steps: int,
         return t_prompt, (time.perf_counter() - t0) / steps, logits
 
 
+def resize_cost(model, config: EngineConfig, tokens: list[int], prompt: int, rounds: int = 10) -> str:
+    """The median wall time of ``rounds`` resizes of a per-layer engine holding ``prompt`` tokens, between its own
+    sizes and sizes moved by a sixth up or down per layer (the same total), and the state bytes moved."""
+    with Engine(model, config) as e:
+        for a in range(0, prompt, config.n_ubatch):
+            e.decode(tokens[a : min(a + config.n_ubatch, prompt)])
+        first = config.cache_cells
+        moved = tuple(n + (n // 6 if i % 2 else -(n // 6)) for i, n in enumerate(first))
+        times = []
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            e.resize_caches(moved if r % 2 == 0 else first)
+            times.append(time.perf_counter() - t0)
+        import llama_cpp
+
+        state = llama_cpp.llama_state_seq_get_size(e.ctx, 0)
+        return f"{1000 * float(np.median(times)):.1f} ms (median of {rounds}; {state / 2**20:.2f} MiB of state)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
@@ -63,6 +83,11 @@ def main() -> None:
             same = "yes" if np.array_equal(a[2], b[2]) else "no"
             times = f"{a[0]:.2f}, {1000 * a[1]:.1f} | {b[0]:.2f}, {1000 * b[1]:.1f}"
             print(f"| {name} | {'on' if tap else 'off'} | {times} | {same} |", flush=True)
+    mixed_sizes = setups["mixed sizes, q5_0"][2]
+    config = EngineConfig(**mixed, cache_cells=mixed_sizes, layer_groups=groups)
+    held = min(args.prompt, 600)  # a sixth less of 1,100 full-attention cells still holds them
+    cost = resize_cost(model, config, tokens, held)
+    print(f"\none resize of the per-layer caches holding {held} tokens (q5_0): {cost}")
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ def test_fill_is_the_effective_share_of_what_a_layer_sees():
 def test_shares_follow_the_fill_within_each_kind(monkeypatch):
     monkeypatch.setattr(adaptive, "ADAPT_EVERY", 100)
     sliding = [True, False, True, False, True, False]
-    shares = LayerShares(sliding)
+    shares = LayerShares(sliding, gamma=1.0)
     assert not shares.due(500)  # nothing measured yet
     fills = [0.2, 0.1, 0.4, 0.3, 0.6, 0.2]
     for il, f in enumerate(fills):
@@ -174,6 +174,11 @@ def test_shares_follow_the_fill_within_each_kind(monkeypatch):
     np.testing.assert_allclose(shares.decide(230), w)
     shares.restart(300)
     assert np.isnan(shares.fill).all() and shares.next_at == 400
+    half = LayerShares(sliding, gamma=0.5)  # half the step: the square root of the fill ratios
+    half.fill[:] = fills
+    w = half.decide(100)
+    root = np.sqrt([0.2, 0.4, 0.6])
+    np.testing.assert_allclose(w[[0, 2, 4]], root / root.mean())
 
 
 @pytest.mark.parametrize("text", ["16MiB", "5MiB", "1024"])
