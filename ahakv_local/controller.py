@@ -59,7 +59,6 @@ class Surprisal:
     The logits of all 64 rows of a chunk cost the prompt about 2.5x its time on Gemma 3 270M (262,144 tokens)."""
 
     kernel: int = 15
-    ahead: int | None = None  # of the kernel's positions, how many follow the scored one (None: centred)
 
 
 @dataclass
@@ -234,7 +233,7 @@ class KVController:
         for g in self.groups:
             g.grow_best(n)
             g.best[n - len(piece) : n] = surprisal
-        pooled = avg_pool(self.groups[0].best[:n], rule.kernel, rule.ahead)  # by position: the same for every group
+        pooled = avg_pool(self.groups[0].best[:n], rule.kernel)  # by position: the same for every group
         self.evict([pooled[g.live] for g in self.groups], alone=True)
         return logits[-1]
 

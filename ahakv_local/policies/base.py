@@ -191,14 +191,12 @@ def unit_mean(x: np.ndarray) -> np.ndarray:
     return x / mean if mean > 0 else np.where(np.isfinite(x), 0.0, x)
 
 
-def avg_pool(x: np.ndarray, kernel: int, ahead: int | None = None) -> np.ndarray:
-    """1-D average pooling along the last axis, same length (edges average over what exists): entry i averages
-    the ``kernel`` entries from i - (kernel - 1 - ahead) to i + ahead (``ahead``: kernel // 2, centred)."""
+def avg_pool(x: np.ndarray, kernel: int) -> np.ndarray:
+    """1-D average pooling along the last axis, same length (edges average over what exists)."""
     if kernel <= 1 or x.shape[-1] == 0:
         return x
-    n = x.shape[-1]
-    ahead = kernel // 2 if ahead is None else ahead
+    n, pad = x.shape[-1], kernel // 2
     c = np.concatenate([np.zeros(x.shape[:-1] + (1,)), np.cumsum(x, axis=-1)], axis=-1)
-    lo = np.clip(np.arange(n) - (kernel - 1 - ahead), 0, n)
-    hi = np.clip(np.arange(n) + ahead + 1, 0, n)
+    lo = np.clip(np.arange(n) - pad, 0, n)
+    hi = np.clip(np.arange(n) + pad + 1, 0, n)
     return (c[..., hi] - c[..., lo]) / (hi - lo)
