@@ -627,8 +627,8 @@ class Engine:
 
     def aligned(self, live: np.ndarray, flags: TapFlag, layers: Sequence[int] | None = None) -> Aligned:
         """The statistics of ``flags`` for every layer (or for ``layers``, in that order), aligned with ``live``
-        (ascending positions; every position the caches of those layers hold must be in it): one cell-map
-        read per cache, one native read per layer and kind."""
+        (ascending positions; what a cache holds outside it is left out): one cell-map read per cache, one native
+        read per layer and kind."""
         n = live.size
         newest = self.n_past - 1
         layers = range(self.n_layer) if layers is None else [int(il) for il in layers]
@@ -641,7 +641,10 @@ class Engine:
             seen = np.ones(positions.size, dtype=bool)
             if self.layer_sliding[il] and self.n_swa > 0:  # the window sees the last n_swa positions
                 seen = newest - positions < self.n_swa
-            where[cache] = (np.searchsorted(live, positions[seen]), cells[seen])
+            idx = np.searchsorted(live, positions)
+            seen &= idx < n
+            seen[seen] &= live[idx[seen]] == positions[seen]  # another layer's cache may hold what live does not
+            where[cache] = (idx[seen], cells[seen])
         visible = np.zeros((len(layers), n), dtype=bool)
         for i, cache in enumerate(caches):
             if cache is not LayerCache.NONE:

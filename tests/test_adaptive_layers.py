@@ -231,6 +231,8 @@ def test_an_adaptive_session_resizes_as_it_reads(six_layers, license_text, monke
     spec = SessionSpec.bounded("ahakv", "40KiB", n_recent=8, evict_every=4, layer_budgets="adaptive")
     with open_session(six_layers, spec, longest=400, n_ubatch=CHUNK) as s:
         c, e = s.controller, s.engine
+        for g in c.groups:  # scored by every layer of its kind (AhaKV's holistic view), holding its own layer
+            assert list(g.observed) == ([0, 2, 4] if e.layer_sliding[g.layers[0]] else [1, 3, 5])
         first = [e.cache_cells(k) for k in e.caches]
         toks = e.tokenize(license_text)[:260]
         c.prefill(toks[:200])
@@ -264,3 +266,28 @@ def test_the_drop_in_resizes_its_own_context(six_layers, license_text, monkeypat
         assert e.kv_bytes() <= 40 * 1024
         for g in c.groups:
             np.testing.assert_array_equal(g.live, g.read_live(e))
+
+
+def test_statistics_of_other_layers_align_with_one_layers_positions(six_layers, license_text):
+    """A layer of ``adaptive`` is scored by every layer of its kind, whose caches hold other positions: each
+    layer's statistics land on the positions both hold (by position, as that layer's own ``stat`` gives them),
+    and what the scored layer does not hold is left out, not put on a neighbour."""
+    with make_engine(six_layers, layer_groups=PER_LAYER, cache_cells=(64,) * 6) as e:
+        toks = tokens(e, license_text, 41)
+        e.decode(toks[:40])
+        for c in e.caches:
+            e.evict([2 + 3 * c, 11 + c, 20 - c], cache=c)
+        e.set_tap(TapFlag.ATTN, 0)
+        e.reset_stats()
+        e.decode([toks[40]])
+        full = [1, 3, 5]
+        live = e.live_positions(3).astype(np.int64)
+        got = e.aligned(live, TapFlag.ATTN, full)
+        for row, il in enumerate(full):
+            own = e.stat("attn", il)
+            both = np.isin(live, own.positions)
+            np.testing.assert_array_equal(got.visible[row], both)
+            np.testing.assert_array_equal(
+                got.values[TapFlag.ATTN][row][:, both], own.values[:, np.isin(own.positions, live)]
+            )
+            assert not got.values[TapFlag.ATTN][row][:, ~both].any()
