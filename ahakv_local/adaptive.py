@@ -29,17 +29,17 @@ ADAPT_GAMMA = 0.5  # how far one decision moves the shares toward equal fill (LG
 FILL_SMOOTHING = 0.3  # weight of the newest observation in a layer's running fill
 
 
-def fill(obs: Observation, row: int = 0) -> float | None:
-    """The share of the positions one layer sees (row ``row`` of ``obs``) that its heads effectively attend to:
-    exp(entropy) of each head's attention over them, averaged over the heads, over their number. None without the
-    model's softmax or with fewer than two positions to spread over."""
+def fill(obs: Observation) -> float | None:
+    """The share of the positions one layer sees (``obs`` of a one-layer group) that its heads effectively attend
+    to: exp(entropy) of each head's attention over them, averaged over the heads, over their number. None
+    without the model's softmax or with fewer than two positions to spread over."""
     if obs.attn is None:
         return None
-    seen = obs.visible[row]
+    seen = obs.visible[0]
     n = int(np.count_nonzero(seen))
     if n < 2:
         return None
-    a = obs.attn[row][:, seen].astype(np.float64)
+    a = obs.attn[0][:, seen].astype(np.float64)
     total = a.sum(axis=1, keepdims=True)
     p = np.divide(a, total, out=np.zeros_like(a), where=total > 0)
     entropy = -(p * np.log(np.where(p > 0, p, 1.0))).sum(axis=1)
@@ -58,9 +58,9 @@ class LayerShares:
         self.next_at = self.every
         self.decisions = 0
 
-    def observe(self, layer: int, obs: Observation, row: int = 0) -> None:
-        """Fold one observation of ``layer`` (row ``row`` of ``obs``) into its running fill."""
-        f = fill(obs, row)
+    def observe(self, layer: int, obs: Observation) -> None:
+        """Fold one observation of ``layer`` into its running fill."""
+        f = fill(obs)
         if f is not None:
             old = self.fill[layer]
             self.fill[layer] = f if np.isnan(old) else (1 - FILL_SMOOTHING) * old + FILL_SMOOTHING * f

@@ -522,7 +522,7 @@ class KVController:
     def _observation(self, g: LayerGroup, positions: np.ndarray, flags: TapFlag, budget: int) -> Observation:
         """The statistics of ``flags`` over the group's layers, aligned with ``positions``."""
         e = self.engine
-        stats = e.aligned(positions, flags, g.observed)
+        stats = e.aligned(positions, flags, g.layers)
         return Observation(
             positions=positions,
             n_seen=e.n_past,
@@ -581,7 +581,7 @@ class KVController:
             g.obs = self._observe(g, self._tap[0])
         obs, budget = g.obs, g.budget
         if self.shares is not None and measure:  # adaptive: the layer's fill (once per observation)
-            self.shares.observe(int(g.layers[0]), obs, int(g.rows_of(g.layers[:1])[0]))
+            self.shares.observe(int(g.layers[0]), obs)
         if budget.mode == "auto" and (obs.verr is None or obs.vnorm is None):
             return 0  # the error model decides at the next observed step (the budget just became auto)
         n = g.live.size
@@ -635,7 +635,7 @@ class KVController:
             self.stats.retained_mass = mass.tolist()
             return
         per_layer = self.stats.retained_mass or [1.0] * self.engine.n_layer
-        for il, m in zip(g.layers, mass[g.rows_of(g.layers)], strict=True):
+        for il, m in zip(g.layers, mass, strict=True):
             per_layer[int(il)] = float(m)
         self.stats.retained_mass = per_layer
 

@@ -6,10 +6,8 @@ Gemma 3's full-attention layers (the base cache) and its sliding-window layers (
 observed over its own layers only, scored by its own policy instance, held to its own budget
 (``budget.allocate``) and evicting from its own cache (``Engine.evict(positions, cache)``), so the old
 tokens the full-attention layers keep no longer cost the sliding-window layers the recent ones they see.
-``uniform``, ``pyramid`` and ``adaptive`` are one group per layer, each layer with a cache of its own (the engine's
-layer groups, patch 0013); under ``uniform`` and ``pyramid`` each is scored by its own layer's statistics alone
-(as PyramidKV), under ``adaptive`` by every layer of its kind (``HOLISTIC``: the natural group's view, each layer
-keeping its own share of what that view ranks highest).
+``uniform`` and ``pyramid`` are one group per layer, each layer with a cache of its own (the engine's layer
+groups, patch 0013), observed over that layer alone.
 
 A sliding group's layers see only the last ``window`` positions. llama.cpp itself hands the cells of
 positions that left the window to new tokens when it needs them, so the group re-reads its live positions
@@ -42,19 +40,6 @@ class LayerGroup:
     best: np.ndarray = field(default_factory=lambda: np.zeros(0))
     decided: int | None = None  # the cells of its last eviction target (auto: the error model's decision)
     evicted: int = 0  # positions it evicted
-    # the layers whose statistics score it (None: its own ``layers``): a layer of ``adaptive`` is scored by every
-    # layer of its kind, AhaKV's holistic view, and holds its own share of the positions that view ranks
-    scored_by: np.ndarray | None = None
-
-    @property
-    def observed(self) -> np.ndarray | None:
-        """The layers its observations cover (None: every layer)."""
-        return self.layers if self.scored_by is None else self.scored_by
-
-    def rows_of(self, layers: np.ndarray) -> np.ndarray:
-        """Where ``layers`` sit among the observed ones (rows of its observation's statistics)."""
-        observed = list(self.observed)
-        return np.array([observed.index(il) for il in layers])
 
     @property
     def map_layer(self) -> int | None:
@@ -104,9 +89,6 @@ class LayerGroup:
         return sum(engine.kv_bytes_used(c) for c in self.caches(engine))
 
 
-HOLISTIC = ("adaptive",)  # per-layer layouts whose layers are scored by every layer of their kind
-
-
 def make_groups(engine: Engine, policy: Policy, allocation: Allocation) -> list[LayerGroup]:
     """The groups of ``allocation`` on ``engine``: one shared group, or one per cache (base first; per-layer
     layouts: in the engine's cache order), each with its own instance of ``policy`` (the first group gets
@@ -122,9 +104,6 @@ def make_groups(engine: Engine, policy: Policy, allocation: Allocation) -> list[
         own = policy if not groups else policy.fresh()
         name = f"layer {layers[0]}" if allocation.layer_groups and layers.size == 1 else cache_name(cache)
         group = LayerGroup(name, cache, layers, own, budget, np.zeros(0, np.int64), window)
-        if allocation.layer_budgets in HOLISTIC:
-            kind = engine.layer_sliding[layers[0]]
-            group.scored_by = np.flatnonzero([s == kind for s in engine.layer_sliding])
         group.live = group.read_live(engine)
         groups.append(group)
     return groups
