@@ -37,12 +37,14 @@ def run(model, config: EngineConfig, tokens: list[int], prompt: int, steps: int,
 
 def resize_cost(model, config: EngineConfig, tokens: list[int], prompt: int, rounds: int = 10) -> str:
     """The median wall time of ``rounds`` resizes of a per-layer engine holding ``prompt`` tokens, between its own
-    sizes and sizes moved by a sixth up or down per layer (the same total), and the state bytes moved."""
+    sizes and sizes moved by a sixth up or down per layer (never below what a cache uses), and the state bytes
+    moved."""
     with Engine(model, config) as e:
         for a in range(0, prompt, config.n_ubatch):
             e.decode(tokens[a : min(a + config.n_ubatch, prompt)])
         first = config.cache_cells
-        moved = tuple(n + (n // 6 if i % 2 else -(n // 6)) for i, n in enumerate(first))
+        used = [e.n_used(e.layer_cache.index(c)) for c in e.caches]
+        moved = tuple(max(used[i], n + (n // 6 if i % 2 else -(n // 6))) for i, n in enumerate(first))
         times = []
         for r in range(rounds):
             t0 = time.perf_counter()
@@ -85,7 +87,7 @@ def main() -> None:
             print(f"| {name} | {'on' if tap else 'off'} | {times} | {same} |", flush=True)
     mixed_sizes = setups["mixed sizes, q5_0"][2]
     config = EngineConfig(**mixed, cache_cells=mixed_sizes, layer_groups=groups)
-    held = min(args.prompt, 600)  # a sixth less of 1,100 full-attention cells still holds them
+    held = min(args.prompt, 600)
     cost = resize_cost(model, config, tokens, held)
     print(f"\none resize of the per-layer caches holding {held} tokens (q5_0): {cost}")
 
