@@ -213,33 +213,21 @@ def test_ahakv_threads_is_read_in_one_place(fixture_model, monkeypatch):
         assert llm.context_params.n_threads == llm.kv_engine.config.n_threads == 1
 
 
-def test_generate_with_one_cache_per_layer():
-    """--layer-budgets pyramid on a six-layer sliding-window fixture: the stats name every layer's group, and the
-    lower full-attention layer is allocated more than the upper one, within the byte budget."""
+@pytest.mark.parametrize("layout", ["pyramid", "adaptive"])
+def test_generate_with_one_cache_per_layer(layout):
+    """--layer-budgets pyramid / adaptive on a six-layer sliding-window fixture, end to end: the stats name every
+    layer's group, within the byte budget (adaptive: after the resizes of a prompt long enough for decisions, one
+    per 256 positions); pyramid allocates the lower full-attention layer more than the upper one."""
     from ahakv_local.fixture import FixtureSpec
     from ahakv_local.models import fixture_path
 
     path = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
-    args = ["generate", str(path), "-n", "40", "--budget", "160KiB", "--layer-budgets", "pyramid", "--stats"]
-    proc = ahakv(*args, stdin="the quick brown fox " * 20)
-    assert proc.returncode == 0, proc.stderr
-    groups = dict(re.findall(r"\| (layer \d) ([\d.]+/[\d.]+) MiB", proc.stderr))
-    assert set(groups) == {f"layer {il}" for il in range(6)}, proc.stderr
-    allocated = {name: float(v.split("/")[1]) for name, v in groups.items()}
-    assert allocated["layer 1"] > allocated["layer 5"]  # pyramid: the first full-attention layer holds more
-    assert sum(allocated.values()) <= 160 / 1024 + 6 * 0.005  # each printed to two decimals
-
-
-def test_generate_with_adaptive_layer_budgets():
-    """--layer-budgets adaptive end to end: a prompt long enough for a decision (256 positions) is read and
-    answered, every layer's group reported, the caches within the byte budget after their resizes."""
-    from ahakv_local.fixture import FixtureSpec
-    from ahakv_local.models import fixture_path
-
-    path = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
-    args = ["generate", str(path), "-n", "40", "--budget", "160KiB", "--layer-budgets", "adaptive", "--stats"]
+    args = ["generate", str(path), "-n", "40", "--budget", "160KiB", "--layer-budgets", layout, "--stats"]
     proc = ahakv(*args, stdin="the quick brown fox jumps over the lazy dog. " * 40)
     assert proc.returncode == 0, proc.stderr
     groups = dict(re.findall(r"\| (layer \d) ([\d.]+/[\d.]+) MiB", proc.stderr))
     assert set(groups) == {f"layer {il}" for il in range(6)}, proc.stderr
-    assert sum(float(v.split("/")[1]) for v in groups.values()) <= 160 / 1024 + 6 * 0.005
+    allocated = {name: float(v.split("/")[1]) for name, v in groups.items()}
+    assert sum(allocated.values()) <= 160 / 1024 + 6 * 0.005  # each printed to two decimals
+    if layout == "pyramid":
+        assert allocated["layer 1"] > allocated["layer 5"]  # the first full-attention layer holds more
