@@ -356,14 +356,12 @@ def _per_layer(
             given = [float(layer_weights[il]) for il in layers]
             weights = [w * len(given) / sum(given) for w in given]  # mean 1 over the kind
             low, high = 1 - ADAPTIVE_RANGE, 1 + ADAPTIVE_RANGE
-        if weights != [1.0] * len(layers) and mean.mode == "cells":
-            # no layer below what its protected positions and one eviction period need (KVController.check_floor)
-            floor = min(keep + 1, layout.window if kind else math.inf) + every - 1
-            cap = window if kind else math.inf
-            if mean.value >= floor:  # below it, check_floor refuses as for natural
-                weights = spread(weights, max(low, floor / mean.value), min(high, cap / mean.value))
-        elif weights != [1.0] * len(layers):
-            weights = spread(weights, low, high)
+        # no layer below what its protected positions and one eviction period need (KVController.check_floor),
+        # none above its window
+        floor = min(keep + 1, layout.window if kind else math.inf) + every - 1
+        if mean.mode == "cells" and mean.value >= floor:  # below it, check_floor refuses as for natural
+            low, high = max(low, floor / mean.value), min(high, (window if kind else math.inf) / mean.value)
+        weights = spread(weights, low, high)
         for il, w in zip(layers, weights, strict=True):
             held[il] = _scaled(mean, w, window if kind else None)
     groups = per_layer_groups(sliding)

@@ -6,8 +6,8 @@ Gemma 3's full-attention layers (the base cache) and its sliding-window layers (
 observed over its own layers only, scored by its own policy instance, held to its own budget
 (``budget.allocate``) and evicting from its own cache (``Engine.evict(positions, cache)``), so the old
 tokens the full-attention layers keep no longer cost the sliding-window layers the recent ones they see.
-``uniform`` and ``pyramid`` are one group per layer, each layer with a cache of its own (the engine's layer
-groups, patch 0013), observed over that layer alone.
+``uniform``, ``pyramid`` and ``adaptive`` are one group per layer, each layer with a cache of its own (the engine's
+layer groups, patch 0013), observed over that layer alone (``adaptive`` also resizes them: adaptive.py).
 
 A sliding group's layers see only the last ``window`` positions. llama.cpp itself hands the cells of
 positions that left the window to new tokens when it needs them, so the group re-reads its live positions
