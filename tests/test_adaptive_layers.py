@@ -127,6 +127,9 @@ def test_resizes_that_cannot_be_are_refused(six_layers, license_text):
     with make_engine(six_layers, n_seq=2, layer_groups=PER_LAYER, cache_cells=(128,) * 6) as shared:
         with pytest.raises(AhakvError, match="one-sequence context"):
             shared.view(1).resize_caches((128,) * 6)
+        spec = SessionSpec.bounded("h2o", "40KiB", layer_budgets="adaptive")
+        with pytest.raises(AhakvError, match="not possible on a shared context"):  # before anything is evicted
+            spec.controller(shared.view(1))
 
 
 # -- the shares: measured, decided, laid out ---------------------------------------------------------------
