@@ -103,6 +103,16 @@ def _plan(tokens: list[int], budget: int, evict_every: int | None, decode_tokens
     return evict_every, max(1, round(budget - (evict_every - 1) / 2 - decode_tokens / 2))
 
 
+def _policy_rows(policies: list[str], layer_budgets: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+    """{row label: (policy, layer budgets)}: each policy in each layout, labelled by the policy alone in the
+    shared pool (the product's default) and "<policy> <layout>" otherwise."""
+    return {
+        name if layout == "shared" else f"{name} {layout}": (name, layout)
+        for name in policies
+        for layout in layer_budgets
+    }
+
+
 def _interleave(runs: dict[str, Callable[[], tuple]], rounds: int, progress) -> dict[str, list[tuple]]:
     """Call every run once per round, rotating the order so drift of the machine hits all alike."""
     times: dict[str, list[tuple]] = {name: [] for name in runs}
@@ -125,10 +135,11 @@ def speed_at_budget(
     evict_every: int | None = None,
     observe_steps: int | None = 1,
     n_gpu_layers: int = 0,
+    layer_budgets: tuple[str, ...] = ("shared",),
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[SpeedRow]:
-    """Prompt and decode tokens/s of plain llama-cpp-python and of each policy at ``budget`` live cells,
-    through ``Llama.generate`` (greedy), as an app sees them."""
+    """Prompt and decode tokens/s of plain llama-cpp-python and of each policy at ``budget`` live cells (in
+    each of ``layer_budgets``' layouts), through ``Llama.generate`` (greedy), as an app sees them."""
     evict_every, plain_prompt = _plan(tokens, budget, evict_every, decode_tokens)
     models: dict[str, tuple[llama_cpp.Llama, list[int], Callable[[], int]]] = {}
     for label, swa_full in BASELINES.items():
@@ -136,15 +147,16 @@ def speed_at_budget(
         kw = dict(n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, swa_full=swa_full)
         plain = llama_cpp.Llama(**_quiet(model, n_gpu_layers, **kw))
         models[label] = (plain, tokens[:plain_prompt], lambda plain=plain: plain.n_tokens)
-    for name in policies:
+    for label, (name, layout) in _policy_rows(policies, layer_budgets).items():
         llm = Llama(
             **_quiet(model, n_gpu_layers, n_batch=batch, n_ubatch=batch),
             kv_budget=budget,
             kv_policy=name,
             kv_evict_every=evict_every,
             kv_observe_steps=observe_steps,
+            kv_layer_budgets=layout,
         )
-        models[name] = (llm, tokens[: 2 * budget], lambda llm=llm: llm.kv_controller.live.size)
+        models[label] = (llm, tokens[: 2 * budget], lambda llm=llm: llm.kv_controller.live.size)
     try:
         times = _interleave(
             {name: (lambda m=m: _timed_generate(m[0], m[1], decode_tokens, m[2])) for name, m in models.items()},
@@ -169,6 +181,7 @@ def engine_speed_at_budget(
     evict_every: int | None = None,
     observe_steps: int | None = 1,
     n_gpu_layers: int = 0,
+    layer_budgets: tuple[str, ...] = ("shared",),
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[SpeedRow]:
     """The same comparison one layer down: ``llama_decode`` of the text's next tokens on an Engine with
@@ -186,10 +199,13 @@ def engine_speed_at_budget(
     # a chunk and the newest token, not padded to 256), so evicted cells scattered over the buffer cost what they
     # cost the product and no more
     sessions = {}
-    for name in policies:
-        spec = SessionSpec.bounded(name, budget, evict_every=evict_every, observe_steps=observe_steps)
-        sessions[name] = open_session(model, spec, 2 * budget + decode_tokens, batch, n_gpu_layers=n_gpu_layers)
-        engines[name] = sessions[name].engine
+    rows = _policy_rows(policies, layer_budgets)
+    for label, (name, layout) in rows.items():
+        spec = SessionSpec.bounded(
+            name, budget, evict_every=evict_every, observe_steps=observe_steps, layer_budgets=layout
+        )
+        sessions[label] = open_session(model, spec, 2 * budget + decode_tokens, batch, n_gpu_layers=n_gpu_layers)
+        engines[label] = sessions[label].engine
 
     def plain_run(label: str) -> tuple[float, float, float]:
         e = engines[label]
@@ -215,7 +231,7 @@ def engine_speed_at_budget(
         return t1 - t0, time.perf_counter() - t1, float(np.mean(cells))
 
     runs = {label: (lambda b=label: plain_run(b)) for label in BASELINES}
-    runs |= {name: (lambda n=name: policy_run(n)) for name in policies}
+    runs |= {label: (lambda n=label: policy_run(n)) for label in rows}
     try:
         times = _interleave(runs, rounds, progress)
         prompts = {name: plain_prompt if name in BASELINES else 2 * budget for name in runs}

@@ -85,6 +85,17 @@ def _policies(policies: str) -> list[str]:
     return names
 
 
+def _layer_budgets(layouts: str) -> tuple[str, ...]:
+    """'shared,adaptive' -> the layouts, refused in one line if one is unknown."""
+    from .budget import LAYER_BUDGETS
+
+    names = tuple(n.strip() for n in layouts.split(",") if n.strip())
+    for name in names or ("",):
+        if name not in LAYER_BUDGETS:
+            raise AhakvError(f"layer budgets must be among {', '.join(LAYER_BUDGETS)}, not {name!r}")
+    return names
+
+
 def _cells(budgets: str, n_tokens: int, floor: int) -> list[int]:
     """'256,512' -> cells; '0.125' or '12.5%' -> that fraction of the text (0.125 = 8x compression), at least
     ``floor``. Parsed by Budget.parse, the one grammar of budgets."""
@@ -355,6 +366,13 @@ def bench_group() -> None:
 @click.option("--evict-every", type=int, default=None, help="Decode steps between evictions (default: the product's).")
 @click.option("--observe-steps", default=1, show_default=True, help="Observed steps before each eviction (0: all).")
 @click.option(
+    "--layer-budgets",
+    default="shared",
+    show_default=True,
+    help="Comma-separated layouts each policy runs in (shared, natural, uniform, pyramid, adaptive); a row is "
+    '"<policy> <layout>" outside the shared pool.',
+)
+@click.option(
     "--long-context",
     default="2048,4096,8192,16384,32768",
     show_default=True,
@@ -383,6 +401,7 @@ def bench_speed(
     rounds,
     evict_every,
     observe_steps,
+    layer_budgets,
     long_context,
     long_policy,
     long_budget,
@@ -401,6 +420,7 @@ def bench_speed(
 
     path = _model(model)
     names = _policies(policies)
+    layouts = _layer_budgets(layer_budgets)
     if long_budget is not None:
         Budget.parse(long_budget)  # a bad one fails now, not after the speed runs
     files = list(text_files) or sorted(str(p) for p in LICENSES.iterdir() if not p.is_symlink())
@@ -414,11 +434,13 @@ def bench_speed(
         evict_every=evict_every,
         observe_steps=observe,
         n_gpu_layers=n_gpu_layers,
+        layer_budgets=layouts,
     )
-    with _bar("bench speed (generate)", rounds * (len(names) + 1)) as bar:
+    runs = rounds * (len(names) * len(layouts) + 2)
+    with _bar("bench speed (generate)", runs) as bar:
         bar.unit = "run"
         app = speed_at_budget(path, ids, budget, names, progress=lambda _: bar.update(1), **kw)
-    with _bar("bench speed (engine)", rounds * (len(names) + 1)) as bar:
+    with _bar("bench speed (engine)", runs) as bar:
         bar.unit = "run"
         core = engine_speed_at_budget(path, ids, budget, names, progress=lambda _: bar.update(1), **kw)
     trained = read_info(path).n_ctx_train

@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ahakv_local.fixture import FixtureSpec
 from ahakv_local.info import read_info
+from ahakv_local.models import fixture_path
 
 
 def test_bench_speed_command_writes_every_output(fixture_model, tmp_path):
@@ -99,3 +101,34 @@ def test_long_run_with_a_byte_budget_allocates_within_it(fixture_model, tmp_path
     )  # fmt: skip
     assert bad.returncode != 0 and "8XB" in bad.stderr and "Traceback" not in bad.stderr
     assert "bench speed (generate)" not in bad.stderr  # refused before any speed run, not after minutes of them
+
+
+def test_bench_speed_runs_each_policy_in_each_layer_layout(tmp_path):
+    """--layer-budgets: each policy once per layout, rows "<policy> <layout>" beside the plain baselines, the same
+    live cells in each; uniform's per-layer caches (six on the gemma3 fixture) allocate exactly the bytes of
+    natural's two caches (uniform holds in each layer what natural holds for its kind: two code paths agree), less
+    than the shared pool's."""
+    model = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ahakv_local", "bench", "speed", str(model), "--budget", "64", "--policies", "ahakv",
+         "--decode-tokens", "8", "--rounds", "1", "--evict-every", "4", "--layer-budgets", "shared,natural,uniform",
+         "--long-context", "",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((out / "results.json").read_text())
+    assert data["config"]["layer_budgets"] == ["shared", "natural", "uniform"]
+    for table in ("generate", "engine"):
+        rows = {r["label"]: r for r in data["results"] if r["table"] == table}
+        assert list(rows) == ["plain", "trimmed", "ahakv", "ahakv natural", "ahakv uniform"]
+        assert all(abs(r["live_cells"] - (64 + 1.5)) <= 4 and r["decode_tps"] > 0 for r in rows.values())
+        assert rows["ahakv uniform"]["kv_bytes"] == rows["ahakv natural"]["kv_bytes"] > 0
+        assert rows["ahakv natural"]["kv_bytes"] < rows["ahakv"]["kv_bytes"]  # the sliding layers kept to their window
+    bad = subprocess.run(
+        [sys.executable, "-m", "ahakv_local", "bench", "speed", str(model), "--layer-budgets", "shared,pyramidal"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "pyramidal" in bad.stderr and "Traceback" not in bad.stderr
+    assert "bench speed (generate)" not in bad.stderr  # refused before any run
