@@ -6,6 +6,7 @@ read (LGPL-2.1, GFDL-1.3, Apache-2.0).
 
     python benchmarks/reconstruct_diag.py --reading reconstruct --cells 512 --depths 0.1,0.3,0.5,0.7,0.9 -t 1
     python benchmarks/reconstruct_diag.py --reading surprisal --cells 512 -t 1
+    python benchmarks/reconstruct_diag.py --reading surprisal --cells 512 --recent 192 --show-kept -t 1
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--seed", default="1")
+    ap.add_argument("--recent", type=int, default=SessionSpec.n_recent, help="last prompt tokens never evicted")
+    ap.add_argument("--show-kept", action="store_true", help="print the cached prompt text, run by run")
     ap.add_argument("-t", "--threads", type=int, default=None)
     args = ap.parse_args()
     texts = [Path(f"/usr/share/common-licenses/{name}").read_text() for name in TUNING_TEXTS]
-    spec = SessionSpec.bounded(args.policy, args.cells, reading=args.reading)
+    spec = SessionSpec.bounded(args.policy, args.cells, reading=args.reading, n_recent=args.recent)
     solved = []
     with open_session(default_model_path(), spec, args.length + 16, 64, n_threads=args.threads) as s:
         e, ctl = s.engine, s.controller
@@ -67,6 +70,10 @@ def main() -> None:
             print(f"depth {depth}: read {seconds:.1f} s, answer {answer!r} (key {item.expected[0]}), kept {kept}")
             print(f"  evicted (token offset: positions after the sentence's start) {when}")
             print(f"  kept per 256 positions {spread}")
+            if args.show_kept:
+                live = np.sort(ctl.live[ctl.live < len(p)])
+                runs = np.split(live, np.flatnonzero(np.diff(live) != 1) + 1)
+                print("  cached:", " | ".join(repr(e.detokenize([p[i] for i in r])) for r in runs if r.size))
     print(f"solved {sum(solved):g}/{len(solved)}")
 
 
