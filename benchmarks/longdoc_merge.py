@@ -1,5 +1,6 @@
 """Merge `ahakv-local eval longdoc` results.json files into one accuracy table (``longdoc.accuracy_table``; the
-full cache's rows from the first file only), rows ordered by compression, policy and reading.
+full cache's answer to each item once, from the first file that has it), rows ordered by compression, policy and
+reading.
 
     python benchmarks/longdoc_merge.py longdoc-a/results.json longdoc-b/results.json ...
 """
@@ -10,11 +11,15 @@ import sys
 from ahakv_local.longdoc import LongdocTrial, accuracy_table
 
 ORDER = ["full", "ahakv", "snapkv", "tova", "h2o", "scissorhands", "streaming", "random"]
-trials = []
-for i, path in enumerate(sys.argv[1:]):
+trials, full_items = [], set()
+for path in sys.argv[1:]:
     for r in json.load(open(path))["results"]:
-        if r["label"] != "full" or i == 0:
-            trials.append(LongdocTrial(**r))
+        if r["label"] == "full":
+            item = (r["task"], r["length"], r["depth"], r["trial"])
+            if item in full_items:
+                continue
+            full_items.add(item)
+        trials.append(LongdocTrial(**r))
 
 
 def key(t):
