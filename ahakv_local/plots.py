@@ -96,25 +96,31 @@ def plot_longdoc(trials: list[LongdocTrial], path: Path, title: str = "") -> Pat
 
 
 QUANT_MARKERS = {"q8_0": "s", "q5_0": "^", "q4_0": "v"}  # a frontier line's marker by its KV type (f16: "o")
+# with several policies in one frontier, a layout's line style and marker (its colour is the policy's)
+LAYOUT_STYLES = {"shared": ("--", "x"), "natural": ("-", "o"), "uniform": (":", "s"), "pyramid": ("-.", "^"),
+                 "adaptive": ("-", "D")}  # fmt: skip
 
 
 def plot_frontier(rows: list[dict], full_ppl: float, trimmed_bytes: int, path: Path, title: str = "") -> Path:
     """Perplexity and mean KL from the full cache against allocated KV bytes (benchmarks/layer_budgets.py):
     one line per policy and layer allocation (rows with "policy", "layer_budgets", "budget_bytes", "ppl",
-    "kl"; a layout named "shared..." is dashed, others solid, one ending in a quantized KV type marked by it), the full
-    cache's perplexity and llama.cpp's trimmed cache's bytes as reference lines; a colour per policy, or per
-    layout when the rows are of one policy."""
-    fig, (ppl, kl) = plt.subplots(1, 2, figsize=(11, 4.5))
-    colours = {}
+    "kl"), the full cache's perplexity and llama.cpp's trimmed cache's bytes as reference lines. Rows of one policy:
+    a colour per layout, a layout named "shared..." dashed, one ending in a quantized KV type marked by it; of
+    several: a colour per policy and a line style and marker per layout (``LAYOUT_STYLES``)."""
     one_policy = len({r["policy"] for r in rows}) == 1  # then each layout its own colour, else each policy
+    fig, (ppl, kl) = plt.subplots(1, 2, figsize=(11 if one_policy else 14, 4.5))
+    colours = {}
     for policy, layers in dict.fromkeys((r["policy"], r["layer_budgets"]) for r in rows):
         hue = layers if one_policy else policy
         run = sorted((r for r in rows if (r["policy"], r["layer_budgets"]) == (policy, layers)),
                      key=lambda r: r["budget_bytes"])  # fmt: skip
         mib = [r["budget_bytes"] / 2**20 for r in run]
-        marker = next((m for kv, m in QUANT_MARKERS.items() if layers.endswith(kv)), "o")
-        style = {"linestyle": "--" if layers.startswith("shared") else "-", "marker": marker,
-                 "linewidth": 2.5 if policy == "ahakv" else 1.2}  # fmt: skip
+        if one_policy:
+            marker = next((m for kv, m in QUANT_MARKERS.items() if layers.endswith(kv)), "o")
+            linestyle = "--" if layers.startswith("shared") else "-"
+        else:
+            linestyle, marker = LAYOUT_STYLES.get(layers.split()[0], ("-", "o"))
+        style = {"linestyle": linestyle, "marker": marker, "linewidth": 2.5 if policy == "ahakv" else 1.2}
         if hue in colours:
             style["color"] = colours[hue]
         (line,) = ppl.plot(mib, [r["ppl"] for r in run], label=f"{policy} {layers}", **style)
@@ -128,9 +134,13 @@ def plot_frontier(rows: list[dict], full_ppl: float, trimmed_bytes: int, path: P
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
     kl.set_yscale("log")
-    ppl.legend(fontsize=7, ncol=2)
     fig.suptitle(title or "perplexity and KL against allocated KV bytes")
-    fig.tight_layout()
+    if one_policy:
+        ppl.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+    else:  # many lines: the legend to the right of both plots, not over them
+        fig.legend(*ppl.get_legend_handles_labels(), loc="center right", fontsize=7)
+        fig.tight_layout(rect=(0, 0, 0.8, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
