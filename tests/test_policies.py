@@ -226,8 +226,8 @@ def test_ahakv_question_scored_by_its_pooled_attention_with_the_learned_head_wei
 
 def test_ahakv_pools_its_running_score_only_in_a_guided_reading():
     """The rule: while a guided prompt (and its answer) is read, AhaKV's keep-score of position j is the mean of
-    its per-token running score over positions j-3 .. j+3 that exist (read_kernel 7); in any other reading, the
-    per-token score itself (the paper's). Both computed here from the per-token score by hand."""
+    its per-token running score over positions j-h .. j+h that exist (h = read_kernel // 2); in any other reading,
+    the per-token score itself (the paper's). Both computed here from the per-token score by hand."""
     steps = synthetic_steps(steps=2)
     p = make_policy("ahakv")
     for obs in steps:
@@ -235,7 +235,9 @@ def test_ahakv_pools_its_running_score_only_in_a_guided_reading():
     per_token = p.ring.get(steps[-1].positions)
     assert np.array_equal(p.score(steps[-1]), per_token)  # a fresh policy reads plainly
     p.reading(True)
-    expected = [per_token[max(0, j - 3) : j + 4].mean() for j in range(N)]
+    h = p.read_kernel // 2
+    assert h >= 1
+    expected = [per_token[max(0, j - h) : j + h + 1].mean() for j in range(N)]
     np.testing.assert_allclose(p.score(steps[-1]), expected, rtol=POLICY_RTOL)
     assert not np.allclose(expected, per_token)  # the pooling changes the scores of this input
     p.reading(False)

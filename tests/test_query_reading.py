@@ -103,17 +103,18 @@ def test_a_policy_that_cannot_be_guided_reads_plainly(fixture_model, license_tex
 
 
 def kernels_of(policy) -> list[int]:
-    """Wrap ``policy.score``: each call records 7 if it returned the rule's pooled score (the mean of the
-    per-token running score over positions j-3 .. j+3 that exist, written out here), 1 if the per-token score
-    itself. Exact up to the summation order of the pooling (a few F64 ulps of the largest score)."""
+    """Wrap ``policy.score``: each call records the kernel k = ``read_kernel`` if it returned the rule's pooled
+    score (the mean of the per-token running score over positions j-k//2 .. j+k//2 that exist, written out here),
+    1 if the per-token score itself. Exact up to the summation order of the pooling (a few F64 ulps of the
+    largest score)."""
     calls: list[int] = []
-    real = policy.score
+    real, k = policy.score, policy.read_kernel
 
     def score(obs):
         out, per = real(obs), policy.ring.get(obs.positions)
-        pooled = np.array([per[max(0, j - 3) : j + 4].mean() for j in range(per.size)])
+        pooled = np.array([per[max(0, j - k // 2) : j + k // 2 + 1].mean() for j in range(per.size)])
         assert not np.allclose(pooled, per)  # a real text's scores: the two rules differ
-        calls.append(7 if np.allclose(out, pooled, rtol=0, atol=64 * 2.0**-52 * per.max()) else 0)
+        calls.append(k if np.allclose(out, pooled, rtol=0, atol=64 * 2.0**-52 * per.max()) else 0)
         calls[-1] = 1 if np.array_equal(out, per) else calls[-1]
         return out
 
@@ -132,7 +133,7 @@ def test_ahakv_pools_its_score_while_a_guided_prompt_is_read_only(fixture_model,
         kernels = kernels_of(ctl.policy)
         logits = s.read(prompt, question)
         n_read = len(kernels)
-        assert n_read == len(range(0, len(prompt), 64)) and set(kernels) == {7}
+        assert n_read == len(range(0, len(prompt), 64)) and set(kernels) == {ctl.policy.read_kernel}
         s.answer(logits, 24)
         assert len(kernels) > n_read and set(kernels[n_read:]) == {1}
         n_answered = len(kernels)
