@@ -3,6 +3,7 @@ prompt twice the budget, in a session opened as the product opens one. Prints th
 top functions by cumulative time (llama_decode is ``Engine._run_batch``; the rest is the controller and policy).
 
     AHAKV_THREADS=1 python benchmarks/profile_decode.py --budget 512 --steps 320
+    AHAKV_THREADS=1 python benchmarks/profile_decode.py --layer-budgets adaptive --steps 160
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ def main() -> None:
     ap.add_argument("--policy", default="ahakv")
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--steps", type=int, default=320)
+    ap.add_argument("--layer-budgets", default="shared", help="the layout (shared, natural, uniform, ...)")
     ap.add_argument("--top", type=int, default=18)
     args = ap.parse_args()
     model = default_model_path()
     tokens = file_tokens(model, args.text, 2 * args.budget + args.steps)
-    spec = SessionSpec.bounded(args.policy, args.budget)
+    spec = SessionSpec.bounded(args.policy, args.budget, layer_budgets=args.layer_budgets)
     with open_session(model, spec, len(tokens)) as session:
         ctl = session.controller
         ctl.prefill(tokens[: 2 * args.budget])
