@@ -18,6 +18,9 @@ OUT = Path(__file__).parent / "data" / "shared_decisions.json"
 TEXT = "/usr/share/common-licenses/GPL-3"
 PROMPT, STEPS, CHUNK = 150, 60, 16
 QUESTION = " Which license is this?"
+# the settings the recorded decisions were made with, where a policy's defaults have changed since (AhaKV's guided
+# pooling went from 7 to 11 on 2026-12-02; it acts only in a guided read, so the plain recordings never saw it)
+RECORDED_WITH = {"ahakv": {"query_kernel": 7, "read_kernel": 7}}
 
 
 def run(path, policy: str, query: bool) -> dict:
@@ -25,7 +28,7 @@ def run(path, policy: str, query: bool) -> dict:
         toks = e.tokenize(open(TEXT, encoding="utf-8").read())[: PROMPT + STEPS]
         q = e.tokenize(QUESTION, add_bos=False) if query else None
         cfg = ControllerConfig(Budget.parse(48), n_sink=4, n_recent=8, evict_every=4, observe_steps=None)
-        c = KVController(e, make_policy(policy), cfg)
+        c = KVController(e, make_policy(policy, **RECORDED_WITH.get(policy, {})), cfg)
         victims = []
         real = e.evict
 
