@@ -142,6 +142,15 @@ def cells_for(budget: Budget, chunk: int, longest: int, room: int = 0) -> int:
 LayerBudgets = Literal["shared", "natural", "uniform", "pyramid", "adaptive"]
 LAYER_BUDGETS: tuple[str, ...] = get_args(LayerBudgets)
 PER_LAYER: tuple[str, ...] = ("uniform", "pyramid", "adaptive")  # one cache per layer (EngineConfig.layer_groups)
+
+
+def check_layer_budgets(name: str) -> str:
+    """``name`` if it is a layout of ``LAYER_BUDGETS``, else a one-line error naming them."""
+    if name not in LAYER_BUDGETS:
+        raise AhakvError(f"layer budgets must be {', '.join(LAYER_BUDGETS)}, not {name!r}")
+    return name
+
+
 # pyramid: a kind's first layer holds (1 + PYRAMID_SLOPE) times the kind's mean, its last (1 - PYRAMID_SLOPE)
 # times, linearly in between (PyramidKV: lower layers attend broadly, upper ones to few tokens). Not tuned
 PYRAMID_SLOPE = 0.5
@@ -212,8 +221,7 @@ def allocate(
     LGPL-2.1 against shares of 0.3-0.83 (benchmarks/group_split.py: best 0.5, 0.55 and 0.7 at 1/2, 1/4 and 1/8 of
     llama.cpp's trimmed cache at 4,096 tokens; the rule gives 0.53, 0.57 and 0.69) and checked on GPL-3 and
     MPL-1.1 (benchmarks/RESULTS.md)."""
-    if layer_budgets not in LAYER_BUDGETS:
-        raise AhakvError(f"layer budgets must be {', '.join(LAYER_BUDGETS)}, not {layer_budgets!r}")
+    check_layer_budgets(layer_budgets)
     if layer_budgets in PER_LAYER:
         return _per_layer(
             budget, layout, layer_budgets, chunk, longest, room, every, sliding_share, keep, layer_weights

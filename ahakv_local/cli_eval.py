@@ -87,12 +87,11 @@ def _policies(policies: str) -> list[str]:
 
 def _layer_budgets(layouts: str) -> tuple[str, ...]:
     """'shared,adaptive' -> the layouts, refused in one line if one is unknown."""
-    from .budget import LAYER_BUDGETS
+    from .budget import check_layer_budgets
 
     names = tuple(n.strip() for n in layouts.split(",") if n.strip())
-    for name in names or ("",):
-        if name not in LAYER_BUDGETS:
-            raise AhakvError(f"layer budgets must be among {', '.join(LAYER_BUDGETS)}, not {name!r}")
+    for name in names or ("",):  # none named: refused as an empty name
+        check_layer_budgets(name)
     return names
 
 

@@ -18,7 +18,6 @@ import numpy as np
 
 from .budget import (
     KV_TYPE_AUTO,
-    LAYER_BUDGETS,
     NO_EVICTION,
     READINGS,
     Allocation,
@@ -27,6 +26,7 @@ from .budget import (
     LayerBudgets,
     Reading,
     allocate,
+    check_layer_budgets,
     default_evict_every,
     guide_room,
     kv_type_for,
@@ -72,8 +72,7 @@ class SessionSpec:
             raise AhakvError(f"policy {self.policy} evicts: give it a budget (the full cache keeps everything)")
         if self.reading not in READINGS:
             raise AhakvError(f"reading must be {', '.join(READINGS)}, not {self.reading!r}")
-        if self.layer_budgets not in LAYER_BUDGETS:
-            raise AhakvError(f"layer budgets must be {' or '.join(LAYER_BUDGETS)}, not {self.layer_budgets!r}")
+        check_layer_budgets(self.layer_budgets)
         if self.kv_type != KV_TYPE_AUTO:
             check_kv_cache_type(self.kv_type)
 
