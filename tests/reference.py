@@ -85,6 +85,13 @@ class LlamaReference:
         return logits, traces
 
 
+def window_mean(x: np.ndarray, kernel: int) -> np.ndarray:
+    """[n] -> [n]: entry i the plain mean of x over [i - kernel // 2, i + kernel // 2] clipped to the array, by a
+    loop (the pooling reference of the policies' tests)."""
+    a = kernel // 2
+    return np.array([x[max(0, i - a) : i + a + 1].mean() for i in range(x.size)])
+
+
 def window_column_sums(p: np.ndarray, rows: slice) -> np.ndarray:
     """[n_head, T, T] probabilities -> [n_head, T] attention mass per position over the query rows."""
     return p[:, rows, :].sum(axis=1)

@@ -11,6 +11,7 @@ from ahakv_local.policies import POLICIES, Observation, make_policy
 from ahakv_local.policies.base import avg_pool
 
 from numerics import sum_rtol
+from reference import window_mean
 
 L, H, N = 2, 2, 8  # layer 1 plays a sliding-window layer that sees only the last 4 positions
 VISIBLE = np.array([[True] * N, [False] * 4 + [True] * 4])
@@ -235,9 +236,8 @@ def test_ahakv_pools_its_running_score_only_in_a_guided_reading():
     per_token = p.ring.get(steps[-1].positions)
     assert np.array_equal(p.score(steps[-1]), per_token)  # a fresh policy reads plainly
     p.reading(True)
-    h = p.read_kernel // 2
-    assert h >= 1
-    expected = [per_token[max(0, j - h) : j + h + 1].mean() for j in range(N)]
+    assert p.read_kernel >= 2  # a window wider than one token
+    expected = window_mean(per_token, p.read_kernel)
     np.testing.assert_allclose(p.score(steps[-1]), expected, rtol=POLICY_RTOL)
     assert not np.allclose(expected, per_token)  # the pooling changes the scores of this input
     p.reading(False)
@@ -252,6 +252,5 @@ def test_avg_pool_is_a_window_mean(kernel):
     the policies use), against a loop in float64."""
     x = np.random.default_rng(3).random((2, 23))
     got = avg_pool(x, kernel)
-    a = kernel // 2
-    want = np.stack([[row[max(0, i - a) : i + a + 1].mean() for i in range(row.size)] for row in x])
+    want = np.stack([window_mean(row, kernel) for row in x])
     np.testing.assert_allclose(got, want, rtol=1e-12)

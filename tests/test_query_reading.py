@@ -15,6 +15,7 @@ from ahakv_local.needle import NEEDLE, QUESTION, build_prompt
 from ahakv_local.session import SessionSpec, open_session
 
 from numerics import F32
+from reference import window_mean
 
 QUESTION_TEXT = " Which license is this, and which version?"
 
@@ -104,15 +105,15 @@ def test_a_policy_that_cannot_be_guided_reads_plainly(fixture_model, license_tex
 
 def kernels_of(policy) -> list[int]:
     """Wrap ``policy.score``: each call records the kernel k = ``read_kernel`` if it returned the rule's pooled
-    score (the mean of the per-token running score over positions j-k//2 .. j+k//2 that exist, written out here),
-    1 if the per-token score itself. Exact up to the summation order of the pooling (a few F64 ulps of the
-    largest score)."""
+    score (the mean of the per-token running score over positions j-k//2 .. j+k//2 that exist, by the loop of
+    ``reference.window_mean``), 1 if the per-token score itself. Exact up to the summation order of the pooling (a
+    few F64 ulps of the largest score)."""
     calls: list[int] = []
     real, k = policy.score, policy.read_kernel
 
     def score(obs):
         out, per = real(obs), policy.ring.get(obs.positions)
-        pooled = np.array([per[max(0, j - k // 2) : j + k // 2 + 1].mean() for j in range(per.size)])
+        pooled = window_mean(per, k)
         assert not np.allclose(pooled, per)  # a real text's scores: the two rules differ
         calls.append(k if np.allclose(out, pooled, rtol=0, atol=64 * 2.0**-52 * per.max()) else 0)
         calls[-1] = 1 if np.array_equal(out, per) else calls[-1]
