@@ -35,6 +35,11 @@ SDIST_FILE = f"{SDIST_NAME}-{SDIST_VERSION}.tar.gz"
 
 # the product loads libllama + libggml only: skip the multimodal and common libraries
 BASE_CMAKE_ARGS = ("-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_COMMON=OFF")
+# ggml's AMX kernels (compiled in by -march=native on Sapphire Rapids and later) crash in the first matrix product
+# with this model's Q4_K weights (ggml_backend_amx_mul_mat, llama.cpp#20824, closed unfixed): leave them out.
+# gcc and clang drop __AMX_INT8__ for an explicit -mno-amx-int8 whatever -march says, so the AVX-512/VNNI
+# paths stay; the CPU_REPACK buffer then takes the weights, as on any AVX2 machine.
+NO_AMX_CMAKE_ARGS = ("-DCMAKE_C_FLAGS=-mno-amx-int8", "-DCMAKE_CXX_FLAGS=-mno-amx-int8")
 MARKER = "ahakv_build.json"  # written next to the installed llama_cpp package
 
 
@@ -95,6 +100,8 @@ def plan(
     cuda: bool = False, metal: bool = False, cmake_args: str = "", vulkan: bool = False, rpc: bool = False
 ) -> BuildPlan:
     args = list(BASE_CMAKE_ARGS)
+    if platform.machine().lower() in ("x86_64", "amd64") and sys.platform != "win32":  # MSVC has no AMX either
+        args += NO_AMX_CMAKE_ARGS
     if cuda:
         args.append("-DGGML_CUDA=ON")
     if metal:

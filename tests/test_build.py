@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -84,6 +85,19 @@ def test_a_plain_build_keeps_an_installed_rpc_engine(monkeypatch):
     monkeypatch.setattr(build, "cache_dir", would_build)
     with pytest.raises(RuntimeError, match="would build"):
         build.ensure_engine(rpc=True)
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="AMX is an x86 extension")
+def test_the_x86_engine_leaves_out_ggml_s_amx_kernels():
+    """ggml's AMX matrix product crashes on Sapphire Rapids with Q4_K weights (llama.cpp#20824): the plan asks
+    the compiler to drop AMX-INT8, and the installed library says it has none (ggml's own system info, which reads
+    the compiler's macro; on a CPU without AMX this holds trivially, on one with AMX it is the fix)."""
+    assert set(build.NO_AMX_CMAKE_ARGS) <= set(build.plan().cmake_args)
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()
+    assert "AVX2 = 1" in info or "AVX = 1" in info  # the line is ggml's CPU report (not an empty string)
+    assert "AMX_INT8 = 1" not in info
 
 
 def test_installed_engine_carries_its_key():
