@@ -484,10 +484,9 @@ class KVController:
 
     def _after_decode(self, start: int, flags: TapFlag, observe: bool) -> None:
         e = self.engine
+        new = np.arange(start, e.n_past, dtype=np.int64)
         for g in self.groups:
-            # a sliding cache may have handed cells of positions that left its window to the new tokens
-            new = np.arange(start, e.n_past, dtype=np.int64)
-            g.live = g.read_live(e) if g.window else np.concatenate([g.live, new])
+            g.live = g.after_decode(e, new)
             if observe:
                 g.obs = self._observe(g, flags)
                 if flags:
