@@ -365,10 +365,12 @@ def _per_layer(
             weights = [w * len(given) / sum(given) for w in given]  # mean 1 over the kind
             low, high = 1 - ADAPTIVE_RANGE, 1 + ADAPTIVE_RANGE
         # no layer below what its protected positions and one eviction period need (KVController.check_floor),
-        # none above its window
+        # none above its window, and no full-attention layer above the longest sequence: cells it can never fill
+        # would be taken from the layers that must evict (what spread cannot give back stays unallocated)
         floor = min(keep + 1, layout.window if kind else math.inf) + every - 1
+        most = window if kind else (longest or math.inf)
         if mean.mode == "cells" and mean.value >= floor:  # below it, check_floor refuses as for natural
-            low, high = max(low, floor / mean.value), min(high, (window if kind else math.inf) / mean.value)
+            low, high = max(low, floor / mean.value), min(high, max(most, floor) / mean.value)
         weights = spread(weights, low, high)
         for il, w in zip(layers, weights, strict=True):
             held[il] = _scaled(mean, w, window if kind else None)

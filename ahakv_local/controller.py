@@ -79,6 +79,7 @@ class ControllerConfig:
     layer_budgets: LayerBudgets = "shared"
     room: int = 0  # cells the session allocated for a guided reading on top (a byte budget leaves them free)
     sliding_share: float | None = None  # natural, a byte budget: the sliding cache's share (budget.allocate)
+    longest: int = 0  # the longest sequence the caches were sized for (budget.allocate's ``longest``; 0: unknown)
 
     def __post_init__(self) -> None:
         if self.evict_every < 1 or (self.observe_steps is not None and self.observe_steps < 1):
@@ -156,7 +157,7 @@ class KVController:
             e.cache_layout(),
             self.config.layer_budgets,
             e.config.n_ubatch,
-            0,
+            self.config.longest,
             self.config.room,
             every,
             self.config.sliding_share,

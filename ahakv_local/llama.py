@@ -210,7 +210,7 @@ class Llama(llama_cpp.Llama):
 
         engine = Engine.attach(self)
         self._kv_engine = engine
-        self._kv = spec.controller(engine)
+        self._kv = spec.controller(engine, n_ctx)  # the caches were laid out for n_ctx (allocation_on above)
         self._kv_reuse_compressed = kv_reuse_compressed
         # positions, not cells, bound a sequence now: the trained context
         upstream.set_position_bound(self, engine.n_ctx_train)

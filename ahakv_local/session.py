@@ -144,7 +144,7 @@ class SessionSpec:
         spec = self.on_model(model, chunk, longest)
         return spec.allocation(model_layout(Path(model), spec.kv_type), chunk, longest)
 
-    def config(self, layout: CacheLayout, chunk: int) -> ControllerConfig:
+    def config(self, layout: CacheLayout, chunk: int, longest: int = 0) -> ControllerConfig:
         return ControllerConfig(
             self.budget,
             self.n_sink,
@@ -155,20 +155,23 @@ class SessionSpec:
             layer_budgets=self.layer_budgets,
             room=self.room(chunk),
             sliding_share=self.sliding_share,
+            longest=longest,
         )
 
-    def controller(self, engine: Engine) -> KVController:
-        """A controller holding this spec's budget on ``engine`` (which the caller owns)."""
-        return KVController(engine, self.make_policy(), self.config(engine.cache_layout(), engine.config.n_ubatch))
+    def controller(self, engine: Engine, longest: int = 0) -> KVController:
+        """A controller holding this spec's budget on ``engine`` (which the caller owns), whose caches were sized
+        for sequences of at most ``longest`` tokens (``allocation_on``; 0: unknown)."""
+        config = self.config(engine.cache_layout(), engine.config.n_ubatch, longest)
+        return KVController(engine, self.make_policy(), config)
 
 
 class BoundedSession:
     """An engine of its own plus the controller that bounds it (closed by ``close()`` or ``with``)."""
 
-    def __init__(self, spec: SessionSpec, engine: Engine):
+    def __init__(self, spec: SessionSpec, engine: Engine, longest: int = 0):
         self.spec, self.engine = spec, engine
         try:
-            self.controller = spec.controller(engine)
+            self.controller = spec.controller(engine, longest)
         except BaseException:
             engine.close()
             raise
@@ -239,4 +242,4 @@ def open_session(model: str | Path, spec: SessionSpec, longest: int, n_ubatch: i
     config = EngineConfig(
         n_ctx=max(cells), n_batch=n_ubatch, n_ubatch=n_ubatch, cache_cells=cells, layer_groups=groups, **engine_kw
     )
-    return BoundedSession(spec, Engine(model, config))
+    return BoundedSession(spec, Engine(model, config), longest)

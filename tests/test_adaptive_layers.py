@@ -211,6 +211,28 @@ def test_adaptive_layouts_on_gemma3_270m(text):
             assert min(heavy) > max(light), "a layer weighted up must hold more"
 
 
+def test_no_full_attention_layer_holds_more_than_the_longest_sequence():
+    """A full-attention layer weighted above the longest sequence would keep cells it can never fill while the
+    others evict: it holds the longest sequence and the others share what it could not use (the kind's cells
+    kept where they fit); where even the mean exceeds the sequence, every full-attention layer holds all of it,
+    as natural's one cache does (nothing evicted)."""
+    chunk, every, keep = 64, 32, 36
+    budget = Budget.parse("1024")  # natural: 1024 cells in each full-attention layer
+    full = [il for il, s in enumerate(GEMMA3_LAYERS) if not s]
+    weights = [1.0] * 18
+    weights[full[0]] = 1.5  # one layer asks for 1.5x the mean, inside ADAPTIVE_RANGE
+    for longest, want in ((1100, None), (800, 800)):
+        a = allocate(budget, GEMMA3_270M_BY_LAYER, "adaptive", chunk, longest, 0, every, None, keep, weights)
+        held = [int(a.groups[a.layer_groups[il]].value) for il in full]
+        assert max(held) <= longest
+        if want is None:
+            assert held[0] == longest and sum(held) >= 3 * 1024 - len(held), held  # the rest went to the others
+        else:
+            assert held == [want] * 3
+    a = allocate(budget, GEMMA3_270M_BY_LAYER, "adaptive", chunk, 0, 0, every, None, keep, weights)
+    assert int(a.groups[a.layer_groups[full[0]]].value) > 1100  # longest unknown (0): no cap
+
+
 # -- the controller -------------------------------------------------------------------------------------
 
 
