@@ -315,18 +315,22 @@ def pyramid_weights(n: int, slope: float = PYRAMID_SLOPE) -> list[float]:
 
 
 def spread(weights: list[float], low: float, high: float) -> list[float]:
-    """``weights`` (mean 1) held within [low, high] with their sum kept where it can be: what a clamped weight
-    gains or loses is taken from or given to the free ones in proportion (a few passes settle it)."""
-    w = list(weights)
+    """``weights`` (mean 1) held within [low, high] with their sum kept where it can be: what clamped weights gain
+    or lose is taken from or given to the weights that can still move that way (below ``high`` for a deficit,
+    above ``low`` for a surplus), in proportion; a few passes settle it. Only where every weight is at ``high``
+    (or at ``low``) does the sum change: bytes no layer can use are left unallocated, never taken from a layer
+    that could."""
+    w = [min(max(x, low), high) for x in weights]
+    target = sum(weights)
     for _ in range(len(w)):
-        clamped = [min(max(x, low), high) for x in w]
-        free = [i for i, x in enumerate(clamped) if low < x < high]
-        excess = sum(clamped) - sum(weights)
-        if abs(excess) < 1e-9 or not free:
-            return clamped
-        room = sum(clamped[i] for i in free)
-        w = [x * (1 - excess / room) if i in free else x for i, x in enumerate(clamped)]
-    return [min(max(x, low), high) for x in w]
+        excess = sum(w) - target
+        movable = [i for i, x in enumerate(w) if (x < high if excess < 0 else x > low)]
+        if abs(excess) < 1e-9 or not movable:
+            break
+        room = sum(w[i] for i in movable)
+        for i in movable:
+            w[i] = min(max(w[i] * (1 - excess / room), low), high)
+    return w
 
 
 def _per_layer(
@@ -368,7 +372,7 @@ def _per_layer(
         # none above its window, and no full-attention layer above the longest sequence: cells it can never fill
         # would be taken from the layers that must evict (what spread cannot give back stays unallocated)
         floor = min(keep + 1, layout.window if kind else math.inf) + every - 1
-        most = window if kind else (longest or math.inf)
+        most = window if kind else (longest + every - 1 if longest else math.inf)  # as the window: + 1 period
         if mean.mode == "cells" and mean.value >= floor:  # below it, check_floor refuses as for natural
             low, high = max(low, floor / mean.value), min(high, max(most, floor) / mean.value)
         weights = spread(weights, low, high)

@@ -161,6 +161,14 @@ def test_spread_keeps_the_sum_within_bounds():
     assert sum(w) == pytest.approx(5) and min(w) >= 0.8 - 1e-12 and max(w) <= 1.3 + 1e-12
     assert w == sorted(w, reverse=True)
     assert spread([1.0, 1.0], 0.5, 2.0) == [1.0, 1.0]
+    # a layer weighted down while the others sit at the cap: they cannot take its share, so it keeps it
+    assert spread([0.5, 1.25, 1.25], 0.5, 1.0) == pytest.approx([1.0, 1.0, 1.0])
+    # a deficit given to the ones below the cap only; a surplus taken from the ones above the floor only
+    up = spread([0.2, 1.0, 1.8], 0.5, 1.2)
+    assert up == pytest.approx([0.6, 1.2, 1.2])  # 2.7 after clamping: the two below the cap take the 0.3
+    down = spread([0.1, 0.3, 2.6], 0.5, 2.0)  # 3.0 -> 0.5, 0.5, 2.0 = 3.0: settled by clamping alone
+    assert down == pytest.approx([0.5, 0.5, 2.0])
+    assert spread([0.1, 1.45, 1.45], 0.5, 1.2) == pytest.approx([0.6, 1.2, 1.2])  # both ways in turn
 
 
 def test_a_sliding_share_splits_the_bytes_between_the_caches():
