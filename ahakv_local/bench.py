@@ -51,7 +51,7 @@ def memory_at(model: Path, rows: list[SpeedRow], context: int, n_ubatch: int) ->
 class SpeedRow:
     label: str  # "plain" or the policy's name
     budget: int
-    live_cells: float  # mean live cells while generating
+    live_cells: float  # mean live cells while generating (of a full-attention layer; per-layer layouts: their mean)
     prompt_tokens: int
     prompt_tps: float  # median over rounds
     decode_tps: float  # median over rounds
@@ -227,7 +227,8 @@ def engine_speed_at_budget(
         cells = []
         for tok in tokens[2 * budget : 2 * budget + decode_tokens]:
             ctl.step(tok)
-            cells.append(ctl.live.size)
+            # what a budget in cells counts: the cells of a full-attention layer (per-layer layouts: their mean)
+            cells.append(np.mean([g.live.size for g in ctl.groups if not g.window]))
         return t1 - t0, time.perf_counter() - t1, float(np.mean(cells))
 
     runs = {label: (lambda b=label: plain_run(b)) for label in BASELINES}
