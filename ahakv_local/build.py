@@ -43,6 +43,11 @@ NO_AMX_CMAKE_ARGS = ("-DCMAKE_C_FLAGS=-mno-amx-int8", "-DCMAKE_CXX_FLAGS=-mno-am
 MARKER = "ahakv_build.json"  # written next to the installed llama_cpp package
 
 
+def leaves_out_amx() -> bool:
+    """Whether this platform's build adds ``NO_AMX_CMAKE_ARGS``: gcc or clang on x86-64 (MSVC has no AMX either)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and sys.platform != "win32"
+
+
 @dataclass(frozen=True)
 class BuildPlan:
     cmake_args: tuple[str, ...]
@@ -100,7 +105,7 @@ def plan(
     cuda: bool = False, metal: bool = False, cmake_args: str = "", vulkan: bool = False, rpc: bool = False
 ) -> BuildPlan:
     args = list(BASE_CMAKE_ARGS)
-    if platform.machine().lower() in ("x86_64", "amd64") and sys.platform != "win32":  # MSVC has no AMX either
+    if leaves_out_amx():
         args += NO_AMX_CMAKE_ARGS
     if cuda:
         args.append("-DGGML_CUDA=ON")
