@@ -41,6 +41,8 @@ def main() -> None:
             ctl.step(tok)
         profile.disable()
         print(f"{(time.perf_counter() - start) / args.steps * 1000:.1f} ms per token (under the profiler)")
+        e = session.engine
+        print("cells by layer:", [e.n_cells(il) for il in range(e.n_layer)])  # each layer's cache, as allocated
     pstats.Stats(profile).sort_stats("cumulative").print_stats(args.top)
 
 
