@@ -36,6 +36,7 @@ from .groups import LayerGroup, make_groups
 from .native import TapFlag
 from .policies import Observation, Policy
 from .policies.base import avg_pool, unit_mean
+from .words import WordMap
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,8 @@ class KVController:
         self.step_count = 0
         self._tap: tuple[TapFlag, int] | None = None
         self._pending = 0  # decode steps whose attention the tap has summed but nobody has read yet
+        self.words = WordMap(lambda token: engine.detokenize([token]))
+        self._guided = False  # a prompt is being read under guidance (Observation.words are given then only)
 
     @property
     def live(self) -> np.ndarray:
@@ -214,6 +217,7 @@ class KVController:
 
     def _reading(self, guided: bool) -> None:
         """Tell every group's policy whether a prompt is being read under guidance (``Policy.reading``)."""
+        self._guided = guided
         for g in self.groups:
             g.policy.reading(guided)
 
@@ -407,6 +411,7 @@ class KVController:
     def resync(self) -> None:
         """Take the live set from the engine after its cache was replaced (a state load): the cells
         moved, the positions did not; what the policy learned no longer matches, so it starts over."""
+        self.words.truncate(0)  # a loaded state's tokens are not known here: each position its own word
         for g in self.groups:
             g.live = g.read_live(self.engine)
             g.policy.truncate(0)
@@ -424,6 +429,7 @@ class KVController:
         if n < self.engine.n_past:
             self.engine.truncate(n)
         self.engine.n_past = n
+        self.words.truncate(n)
         for g in self.groups:
             g.live = g.live[g.live < n]
             # from the start: a fresh policy (same settings), so a replay meets exactly the same decisions
@@ -460,6 +466,7 @@ class KVController:
         self._set_tap(flags, window)
         start = self.engine.n_past
         logits = self.engine.decode(tokens, all_logits)
+        self.words.add(start, tokens)
         self._after_decode(start, flags, observe)
         return logits
 
@@ -533,6 +540,7 @@ class KVController:
             side=stats.values.get(TapFlag.SIDE),
             verr=stats.values.get(TapFlag.VERR),
             vnorm=stats.values.get(TapFlag.VNORM),
+            words=self.words.words(positions) if self._guided else None,
         )
 
     # -- eviction ------------------------------------------------------------------------------------
@@ -672,7 +680,8 @@ def step_batch(controllers: Sequence[KVController], tokens: Sequence[int]) -> np
         for c, (*_, flags, _start) in zip(controllers, plan, strict=True):
             c._tap = (flags, 1)
     logits = decode_batch([c.engine for c in controllers], tokens)
-    for c, (phase, observe, flags, start) in zip(controllers, plan, strict=True):
+    for c, token, (phase, observe, flags, start) in zip(controllers, tokens, plan, strict=True):
+        c.words.add(start, [token])
         c._after_decode(start, flags, observe)
         c.step_count += 1
         if phase == c.config.evict_every - 1:

@@ -30,13 +30,15 @@ def main() -> None:
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: every core)")
+    ap.add_argument("--answers", action="store_true", help="print the answer of every item not solved")
+    ap.add_argument("--full", action="store_true", help="run the full cache too (what a variant can at most keep)")
     args = ap.parse_args()
     variants = json.loads(args.variants)
     factors = [float(c) for c in args.compressions.split(",")]
     texts = [Path(f"/usr/share/common-licenses/{name}").read_text() for name in TUNING_TEXTS]
 
     def rule(n: int) -> list[SessionSpec]:
-        return [
+        return [SessionSpec()] * args.full + [
             SessionSpec.bounded(policy, int(n / c), label=f"{label}@{c:g}x", reading="query", params=params)
             for c in factors
             for label, (policy, params) in variants.items()
@@ -57,6 +59,8 @@ def main() -> None:
     scores: dict[str, list[float]] = {}
     for t in trials:
         scores.setdefault(t.label, []).append(t.score)
+        if args.answers and t.score < 1:
+            print(f"{t.label} {t.task} depth {t.depth:g}: {t.answer!r} for {t.expected}")
     for label, s in scores.items():
         print(f"{label:40s} {sum(s) / len(s):.2f}  {''.join('1' if x == 1 else '0' for x in s)}")
     print(f"{time.time() - start:.0f} s")

@@ -92,6 +92,28 @@ def window_mean(x: np.ndarray, kernel: int) -> np.ndarray:
     return np.array([x[max(0, i - a) : i + a + 1].mean() for i in range(x.size)])
 
 
+def word_starts(pieces: list[str]) -> np.ndarray:
+    """The first position of each token's word, from the text the tokens spell: a token continues the one before
+    when the joined text has a letter or digit on both sides of the boundary between them (``words.WordMap``'s
+    reference)."""
+    text, bounds = "", []
+    for piece in pieces:
+        bounds.append(len(text))
+        text += piece
+    out = np.arange(len(pieces))
+    for i in range(1, len(pieces)):
+        b = bounds[i]
+        if pieces[i] and 0 < b < len(text) and text[b - 1].isalnum() and text[b].isalnum():
+            out[i] = out[i - 1]
+    return out
+
+
+def word_max(x: np.ndarray, words: np.ndarray) -> np.ndarray:
+    """[n] -> [n]: entry i the largest x over the positions of its word (``words``: a label per position), by a
+    loop."""
+    return np.array([x[words == w].max() for w in words])
+
+
 def window_column_sums(p: np.ndarray, rows: slice) -> np.ndarray:
     """[n_head, T, T] probabilities -> [n_head, T] attention mass per position over the query rows."""
     return p[:, rows, :].sum(axis=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -11,7 +12,7 @@ from ahakv_local.policies import POLICIES, Observation, make_policy
 from ahakv_local.policies.base import avg_pool
 
 from numerics import sum_rtol
-from reference import window_mean
+from reference import window_mean, word_max
 
 L, H, N = 2, 2, 8  # layer 1 plays a sliding-window layer that sees only the last 4 positions
 VISIBLE = np.array([[True] * N, [False] * 4 + [True] * 4])
@@ -223,6 +224,11 @@ def test_ahakv_question_scored_by_its_pooled_attention_with_the_learned_head_wei
     np.testing.assert_allclose(
         p.with_query(own, got), pooled / pooled.mean() + 0.5 * own / own.mean(), rtol=POLICY_RTOL
     )
+    # with the words known (a pass key's five digits, a name in two pieces), each token takes its word's best
+    words = obs.positions[[0, 1, 1, 1, 1, 1, 6, 6]]
+    by_word = dataclasses.replace(obs, words=words)
+    np.testing.assert_allclose(p.query_score(by_word), word_max(pooled, words), rtol=POLICY_RTOL)
+    assert not np.allclose(word_max(pooled, words), pooled)  # the words change this case's scores
 
 
 def test_ahakv_pools_its_running_score_only_in_a_guided_reading():

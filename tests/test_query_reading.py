@@ -15,7 +15,7 @@ from ahakv_local.needle import NEEDLE, QUESTION, build_prompt
 from ahakv_local.session import SessionSpec, open_session
 
 from numerics import F32
-from reference import window_mean
+from reference import window_mean, word_max, word_starts
 
 QUESTION_TEXT = " Which license is this, and which version?"
 
@@ -103,17 +103,21 @@ def test_a_policy_that_cannot_be_guided_reads_plainly(fixture_model, license_tex
         assert Reconstruct  # the reconstruct mode is refused the same way (prefill checks reads_with_query)
 
 
-def kernels_of(policy) -> list[int]:
+def kernels_of(policy, pieces: list[str]) -> list[int]:
     """Wrap ``policy.score``: each call records the kernel k = ``read_kernel`` if it returned the rule's pooled
     score (the mean of the per-token running score over positions j-k//2 .. j+k//2 that exist, by the loop of
-    ``reference.window_mean``), 1 if the per-token score itself. Exact up to the summation order of the pooling (a
-    few F64 ulps of the largest score)."""
+    ``reference.window_mean``, then each word's largest: ``reference.word_max`` over the words of ``pieces``, the
+    text of the token at each position), 1 if the per-token score itself. Exact up to the summation order of the
+    pooling (a few F64 ulps of the largest score)."""
     calls: list[int] = []
     real, k = policy.score, policy.read_kernel
+    words = word_starts(pieces)
 
     def score(obs):
         out, per = real(obs), policy.ring.get(obs.positions)
         pooled = window_mean(per, k)
+        if obs.positions[-1] < len(pieces):  # a guided read: positions of the prompt
+            pooled = word_max(pooled, words[obs.positions])
         assert not np.allclose(pooled, per)  # a real text's scores: the two rules differ
         calls.append(k if np.allclose(out, pooled, rtol=0, atol=64 * 2.0**-52 * per.max()) else 0)
         calls[-1] = 1 if np.array_equal(out, per) else calls[-1]
@@ -131,7 +135,8 @@ def test_ahakv_pools_its_score_while_a_guided_prompt_is_read_only(fixture_model,
     spec = SessionSpec.bounded("ahakv", 96, n_recent=8, reading=reading, evict_every=4)
     with open_session(fixture_model, spec, longest=len(prompt) + 160, n_ubatch=64) as s:
         ctl, question = s.controller, s.engine.tokenize(QUESTION_TEXT, add_bos=False)
-        kernels = kernels_of(ctl.policy)
+        pieces = [s.engine.detokenize([t]) for t in prompt]
+        kernels = kernels_of(ctl.policy, pieces)
         logits = s.read(prompt, question)
         n_read = len(kernels)
         assert n_read == len(range(0, len(prompt), 64)) and set(kernels) == {ctl.policy.read_kernel}
@@ -141,7 +146,7 @@ def test_ahakv_pools_its_score_while_a_guided_prompt_is_read_only(fixture_model,
         ctl.prefill(prompt[:96])  # the conversation goes on without guidance
         assert len(kernels) > n_answered and set(kernels[n_answered:]) == {1}
         s.reset()
-        kernels = kernels_of(ctl.policy)
+        kernels = kernels_of(ctl.policy, pieces)
         ctl.prefill(prompt)
         assert kernels and set(kernels) == {1}
 

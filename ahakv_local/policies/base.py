@@ -35,6 +35,7 @@ class Observation:
     side: np.ndarray | None = None  # float32 [L, H, n]: side-pass mass at the policy's scale
     verr: np.ndarray | None = None  # float32 [L, H, n]: sum of a * ||v - o||
     vnorm: np.ndarray | None = None  # float32 [L, H_kv, n]: ||v||
+    words: np.ndarray | None = None  # int64 [n]: the first position of each position's word (words.py; guided reads)
 
     @property
     def n(self) -> int:

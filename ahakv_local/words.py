@@ -1,0 +1,70 @@
+"""Which word each position belongs to, so that an eviction can keep or drop a word whole.
+
+A pass key is five tokens for Gemma's tokenizer (one per digit), a name often two ("ABC", "DE"). Scored per
+token, a compressed cache keeps the digits the question attended to most and loses the others: the model then
+answers "58675." for 58678 (benchmarks/RESULTS.md, issue 12). Here a token continues the word before it when
+both touch without a space or punctuation between them (the previous piece ends, and this one starts, with a
+letter or digit); ``max_by_word`` gives every live token of a word the best score of its live tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+
+class WordMap:
+    """Word starts by position, recorded as tokens are decoded (``add``) and forgotten on a rewind."""
+
+    def __init__(self, piece: Callable[[int], str]) -> None:
+        self._piece = piece  # a token's text
+        self._edges: dict[int, tuple[bool, bool]] = {}  # token -> (starts, ends) with a letter or digit
+        self.start = np.zeros(1024, dtype=np.int64)  # position -> the first position of its word
+        self.joins_next = np.zeros(1024, dtype=bool)  # position -> a letter or digit ends it
+        self.end = 0  # one past the last position recorded
+
+    def _token_edges(self, token: int) -> tuple[bool, bool]:
+        edges = self._edges.get(token)
+        if edges is None:
+            text = self._piece(token)
+            edges = (bool(text) and text[0].isalnum(), bool(text) and text[-1].isalnum())
+            self._edges[token] = edges
+        return edges
+
+    def add(self, first: int, tokens: Sequence[int]) -> None:
+        """Record ``tokens`` decoded at positions first, first + 1, ..."""
+        end = first + len(tokens)
+        if end > self.start.size:
+            size = max(2 * self.start.size, end)
+            self.start = np.concatenate([self.start, np.zeros(size - self.start.size, dtype=np.int64)])
+            self.joins_next = np.concatenate([self.joins_next, np.zeros(size - self.joins_next.size, dtype=bool)])
+        known = 0 < first <= self.end  # the position before this call's first was recorded
+        for pos, token in enumerate(tokens, first):
+            starts, ends = self._token_edges(int(token))
+            joined = starts and (pos > first or known) and self.joins_next[pos - 1]
+            self.start[pos] = self.start[pos - 1] if joined else pos
+            self.joins_next[pos] = ends
+        self.end = max(self.end, end)
+
+    def truncate(self, n: int) -> None:
+        """Forget positions >= n; positions never recorded (a loaded state) count as words of their own."""
+        self.joins_next[n : self.end] = False
+        self.end = min(self.end, n)
+
+    def words(self, positions: np.ndarray) -> np.ndarray:
+        """The first position of each position's word (a position not recorded: itself)."""
+        known = positions < self.end
+        out = positions.copy()
+        out[known] = self.start[positions[known]]
+        return out
+
+
+def max_by_word(words: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """Each score replaced by the highest score of its word (``words``: the first position of each position's
+    word, ascending, aligned with ``scores`` along the last axis)."""
+    if words.size == 0:
+        return scores
+    firsts = np.flatnonzero(np.r_[True, words[1:] != words[:-1]])
+    best = np.maximum.reduceat(scores, firsts, axis=-1)
+    return np.repeat(best, np.diff(np.r_[firsts, words.size]), axis=-1)

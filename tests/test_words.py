@@ -1,0 +1,53 @@
+"""WordMap and max_by_word against references computed another way: word boundaries from the text the tokens
+spell (the joined string, not the per-token edges WordMap keeps), and a per-word loop (tests/reference.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ahakv_local.words import WordMap, max_by_word
+
+from reference import word_max, word_starts
+
+# pieces as Gemma's tokenizer gives them: digits alone, words with and without a leading space, word pieces
+PIECES = ["The", " pass", " key", " is", " ", "5", "8", "0", ".", " ABC", "DE", "x", "\n\n", ",", " =", "é"]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    tokens=st.lists(st.integers(0, len(PIECES) - 1), min_size=1, max_size=40),
+    cuts=st.lists(st.integers(1, 39), max_size=4),
+)
+def test_words_match_the_text_they_spell_whatever_the_chunks(tokens: list[int], cuts: list[int]) -> None:
+    words = WordMap(lambda t: PIECES[t])
+    edges = sorted({c for c in cuts if c < len(tokens)})
+    for a, b in zip([0, *edges], [*edges, len(tokens)], strict=True):
+        words.add(a, tokens[a:b])
+    positions = np.arange(len(tokens))
+    np.testing.assert_array_equal(words.words(positions), word_starts([PIECES[t] for t in tokens]))
+
+
+def test_a_rewind_forgets_what_follows_and_a_replay_joins_again() -> None:
+    words = WordMap(lambda t: PIECES[t])
+    five, eight, dot, space = PIECES.index("5"), PIECES.index("8"), PIECES.index("."), PIECES.index(" ")
+    words.add(0, [space, five, eight, eight])
+    words.truncate(2)  # "5" at 1 stays; positions 2, 3 go
+    words.add(2, [dot, five])
+    np.testing.assert_array_equal(words.words(np.arange(4)), [0, 1, 2, 3])
+    words.truncate(2)
+    words.add(2, [eight])
+    np.testing.assert_array_equal(words.words(np.arange(3)), [0, 1, 1])
+    # positions never recorded (a loaded state) are words of their own
+    np.testing.assert_array_equal(words.words(np.array([1, 2, 7, 9])), [1, 1, 7, 9])
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=30))
+def test_max_by_word_gives_each_token_its_word_s_best(lengths: list[int]) -> None:
+    words = np.repeat(np.cumsum([0, *lengths[:-1]]), lengths)  # words of these lengths, back to back
+    rng = np.random.default_rng(len(lengths))
+    scores = rng.normal(size=words.size)
+    scores[rng.integers(0, words.size)] = np.inf  # a policy insisting on a token keeps its whole word
+    np.testing.assert_array_equal(max_by_word(words, scores), word_max(scores, words))
