@@ -28,14 +28,18 @@ def main() -> None:
     ap.add_argument("--tasks", default="single")
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=None, help="default 1; 0 with --report-filler")
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: every core)")
     ap.add_argument("--answers", action="store_true", help="print the answer of every item not solved")
     ap.add_argument("--full", action="store_true", help="run the full cache too (what a variant can at most keep)")
+    ap.add_argument(
+        "--report-filler", action="store_true", help="eval longdoc's filler (the reports' text): to ablate, not to tune"
+    )
     args = ap.parse_args()
     variants = json.loads(args.variants)
     factors = [float(c) for c in args.compressions.split(",")]
     texts = [Path(f"/usr/share/common-licenses/{name}").read_text() for name in TUNING_TEXTS]
+    texts = None if args.report_filler else texts
 
     def rule(n: int) -> list[SessionSpec]:
         return [SessionSpec()] * args.full + [
@@ -53,7 +57,7 @@ def main() -> None:
         [args.length],
         depths,
         filler_texts=texts,
-        seed=args.seed,
+        seed=args.seed if args.seed is not None else (0 if args.report_filler else 1),
         n_threads=args.threads,
     )
     scores: dict[str, list[float]] = {}
