@@ -36,7 +36,7 @@ from .groups import LayerGroup, make_groups
 from .native import TapFlag
 from .policies import Observation, Policy
 from .policies.base import avg_pool, unit_mean
-from .words import WordMap
+from .words import WordMap, max_by_word
 
 
 @dataclass(frozen=True)
@@ -244,13 +244,15 @@ class KVController:
 
     def _reconstruction_scores(self, query: list[int]) -> list[np.ndarray]:
         """Score this pass, remember each position's best (scaled to mean 1 per pass) in every group, return
-        the best of each group's live positions."""
+        the best of each group's live positions (a policy with ``whole_words``: each word's best)."""
         out = []
         for g, scores in zip(self.groups, self.read_query(query), strict=True):
             scores = unit_mean(scores)
             g.grow_best(int(g.live[-1]) + 1 if g.live.size else 0)
             g.best[g.live] = np.maximum(g.best[g.live], scores)
-            out.append(g.best[g.live])
+            best = g.best[g.live]
+            # a word read across two chunks got a best from each pass: it goes or stays whole all the same
+            out.append(max_by_word(self.words.words(g.live), best) if g.policy.whole_words else best)
         return out
 
     def read_query(self, query: Sequence[int]) -> list[np.ndarray]:

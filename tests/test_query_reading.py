@@ -94,6 +94,30 @@ def test_reconstruction_scores_every_chunk_and_keeps_the_best(fixture_model, lic
         assert best[s.controller.live].min() > 0  # every kept position was scored by some pass
 
 
+def test_a_reconstruction_reading_keeps_words_whole(fixture_model, license_text):
+    """Each of AhaKV's reconstruction passes gives a word's tokens one score, but a word read across two chunks
+    keeps a best from each pass: the scores it is evicted by give every token of a word its word's best
+    (``reference.word_max`` over the words of the text the prompt's tokens spell)."""
+    prompt = tokens_of(fixture_model, license_text, 320)
+    spec = SessionSpec.bounded("ahakv", 96, n_recent=8, reading="reconstruct")
+    with open_session(fixture_model, spec, longest=len(prompt) + 64 + 16, n_ubatch=64) as s:
+        ctl = s.controller
+        words = word_starts([s.engine.detokenize([t]) for t in prompt])
+        seen, real = [], ctl._reconstruction_scores
+
+        def spy(query):
+            out = real(query)
+            seen.extend((g.live.copy(), g.best[g.live].copy(), o) for g, o in zip(ctl.groups, out, strict=True))
+            return out
+
+        ctl._reconstruction_scores = spy
+        s.read(prompt)
+        assert seen
+        for live, best, out in seen:
+            np.testing.assert_array_equal(out, word_max(best, words[live]))
+        assert any(not np.array_equal(out, best) for _, best, out in seen)  # a word had two bests
+
+
 def test_a_policy_that_cannot_be_guided_reads_plainly(fixture_model, license_text):
     prompt = tokens_of(fixture_model, license_text, 300)
     for policy in ("h2o", "streaming"):

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ahakv_local"
 
 # bottom to top; a module may import from its own layer or any layer below, never from one above
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundations", {"errors", "paths", "extras", "budget", "fixture", "gguf_header", "models", "upstream"}),
+    ("foundations", {"errors", "paths", "extras", "budget", "fixture", "gguf_header", "models", "upstream", "words"}),
     ("native boundary", {"info", "native", "build", "rpc", "saved_chat"}),
     ("engine and policies", {"engine", "policies"}),
     ("controller", {"controller", "groups", "adaptive"}),

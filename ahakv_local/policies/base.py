@@ -130,6 +130,7 @@ class Policy:
     - ``reads_with_query``: it can be guided by a question while a long prompt is read (``query_flags`` to
       tap over the question's rows, ``query_score(obs)`` from them, ``with_query`` to join its own score);
     - ``reading(guided)``: whether a prompt is being read under guidance now (False again after it);
+      ``whole_words``: its guided scores give every token of a word the word's best (``Observation.words``);
     - ``observe(obs)``: update running state after a decode call;
     - ``fresh()``: a new policy with the same settings and no state (a sequence read from the start);
       ``truncate(n)``: forget positions >= n (a rewind). A policy with state says how, explicitly.
@@ -145,6 +146,8 @@ class Policy:
     query_flags: ClassVar[TapFlag] = TapFlag.ATTN
     # with a question, the policy's own score still counts: this share of it, both scaled to mean 1
     own_share: ClassVar[float] = 0.5
+    # while a guided prompt is read, every token of a word is kept or evicted with its word (words.py)
+    whole_words: bool = False
 
     def tap_flags(self, step: int) -> TapFlag:
         """The statistics for the decode call of this step (a policy may skip costly ones)."""
