@@ -48,8 +48,8 @@ class WordMap:
         self.end = max(self.end, end)
 
     def truncate(self, n: int) -> None:
-        """Forget positions >= n; positions never recorded (a loaded state) count as words of their own."""
-        self.joins_next[n : self.end] = False
+        """Forget positions >= n (``add`` reads an edge only below ``end`` or of its own tokens, so nothing needs
+        clearing); positions never recorded (a loaded state) count as words of their own."""
         self.end = min(self.end, n)
 
     def words(self, positions: np.ndarray) -> np.ndarray:
