@@ -5,6 +5,10 @@ token, a compressed cache keeps the digits the question attended to most and los
 answers "58675." for 58678 (benchmarks/RESULTS.md, issue 12). Here a token continues the word before it when
 both touch without a space or punctuation between them (the previous piece ends, and this one starts, with a
 letter or digit); ``max_by_word`` gives every live token of a word the best score of its live tokens.
+
+``WordMap(piece, joins=not_space)`` records runs of text between spaces instead ("17318." with its full stop):
+the reconstruction reading keeps those whole, because there a number that lost its full stop was read back with a
+digit too many ("489689." for 48968, benchmarks/RESULTS.md); a question-guided reading keeps words.
 """
 
 from __future__ import annotations
@@ -14,21 +18,28 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 
-class WordMap:
-    """Word starts by position, recorded as tokens are decoded (``add``) and forgotten on a rewind."""
+def not_space(char: str) -> bool:
+    return not char.isspace()
 
-    def __init__(self, piece: Callable[[int], str]) -> None:
+
+class WordMap:
+    """Word starts by position, recorded as tokens are decoded (``add``) and forgotten on a rewind. Two tokens
+    that touch are one word when the characters on both sides of their boundary satisfy ``joins`` (default: a
+    letter or digit)."""
+
+    def __init__(self, piece: Callable[[int], str], joins: Callable[[str], bool] = str.isalnum) -> None:
         self._piece = piece  # a token's text
-        self._edges: dict[int, tuple[bool, bool]] = {}  # token -> (starts, ends) with a letter or digit
+        self._joins = joins
+        self._edges: dict[int, tuple[bool, bool]] = {}  # token -> (starts, ends) with a joining character
         self.start = np.zeros(1024, dtype=np.int64)  # position -> the first position of its word
-        self.joins_next = np.zeros(1024, dtype=bool)  # position -> a letter or digit ends it
+        self.joins_next = np.zeros(1024, dtype=bool)  # position -> a joining character ends it
         self.end = 0  # one past the last position recorded
 
     def _token_edges(self, token: int) -> tuple[bool, bool]:
         edges = self._edges.get(token)
         if edges is None:
             text = self._piece(token)
-            edges = (bool(text) and text[0].isalnum(), bool(text) and text[-1].isalnum())
+            edges = (bool(text) and self._joins(text[0]), bool(text) and self._joins(text[-1]))
             self._edges[token] = edges
         return edges
 

@@ -7,6 +7,10 @@ read (LGPL-2.1, GFDL-1.3, Apache-2.0).
     python benchmarks/reconstruct_diag.py --reading reconstruct --cells 512 --depths 0.1,0.3,0.5,0.7,0.9 -t 1
     python benchmarks/reconstruct_diag.py --reading surprisal --cells 512 -t 1
     python benchmarks/reconstruct_diag.py --reading surprisal --cells 512 --recent 192 --show-kept -t 1
+    python benchmarks/reconstruct_diag.py --reading query --cells 2048 --length 16384 --texts LGPL-2.1,MPL-1.1,GPL-2,MPL-2.0 -t 1
+
+At 16K the default texts are too short; LGPL-2.1, MPL-1.1, GPL-2 and MPL-2.0 share none with `eval longdoc`'s
+16K filler (GPL-3, Apache-2.0, Artistic, BSD, CC0-1.0, GFDL-1.2).
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ def main() -> None:
     ap.add_argument("--cells", type=int, default=512)
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
-    ap.add_argument("--seed", default="1")
+    ap.add_argument("--seed", default="1", help="the items' seed (tune_guided.py's items of seed S: S:0)")
     ap.add_argument("--recent", type=int, default=SessionSpec.n_recent, help="last prompt tokens never evicted")
     ap.add_argument("--show-kept", action="store_true", help="print the cached prompt text, run by run")
+    ap.add_argument("--texts", default=",".join(TUNING_TEXTS), help="filler license texts (16K needs more)")
     ap.add_argument("-t", "--threads", type=int, default=None)
     args = ap.parse_args()
-    texts = [Path(f"/usr/share/common-licenses/{name}").read_text() for name in TUNING_TEXTS]
+    texts = [Path(f"/usr/share/common-licenses/{name}").read_text() for name in args.texts.split(",")]
     spec = SessionSpec.bounded(args.policy, args.cells, reading=args.reading, n_recent=args.recent)
     solved = []
     with open_session(default_model_path(), spec, args.length + 16, 64, n_threads=args.threads) as s:

@@ -4,6 +4,9 @@ RESULTS tables read GPL-3), so that what is tuned here is judged there on text i
     python benchmarks/tune_guided.py '{"aha": ["ahakv", {}], "aha-r1": ["ahakv", {"read_kernel": 1}],
         "snap": ["snapkv", {}]}' --compressions 4 --tasks single
 
+At 16K these texts are too short: `--length 16384 --texts LGPL-2.1,MPL-1.1,GPL-2,MPL-2.0` shares no text with
+`eval longdoc`'s 16K filler (GPL-3, Apache-2.0, Artistic, BSD, CC0-1.0, GFDL-1.2).
+
 prints, per variant and compression, the mean score and one digit per item (1 = solved).
 """
 
@@ -32,13 +35,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: every core)")
     ap.add_argument("--answers", action="store_true", help="print the answer of every item not solved")
     ap.add_argument("--full", action="store_true", help="run the full cache too (what a variant can at most keep)")
+    ap.add_argument("--texts", default=",".join(TUNING_TEXTS), help="filler license texts (16K needs more)")
     ap.add_argument(
         "--report-filler", action="store_true", help="eval longdoc's filler (the reports' text): to ablate, not to tune"
     )
     args = ap.parse_args()
     variants = json.loads(args.variants)
     factors = [float(c) for c in args.compressions.split(",")]
-    texts = [Path(f"/usr/share/common-licenses/{name}").read_text() for name in TUNING_TEXTS]
+    texts = [Path(f"/usr/share/common-licenses/{name}").read_text() for name in args.texts.split(",")]
     texts = None if args.report_filler else texts
 
     def rule(n: int) -> list[SessionSpec]:

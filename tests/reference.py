@@ -92,10 +92,10 @@ def window_mean(x: np.ndarray, kernel: int) -> np.ndarray:
     return np.array([x[max(0, i - a) : i + a + 1].mean() for i in range(x.size)])
 
 
-def word_starts(pieces: list[str]) -> np.ndarray:
+def word_starts(pieces: list[str], joins=str.isalnum) -> np.ndarray:
     """The first position of each token's word, from the text the tokens spell: a token continues the one before
-    when the joined text has a letter or digit on both sides of the boundary between them (``words.WordMap``'s
-    reference)."""
+    when the joined text has a ``joins`` character (default: a letter or digit) on both sides of the boundary
+    between them (``words.WordMap``'s reference)."""
     text, bounds = "", []
     for piece in pieces:
         bounds.append(len(text))
@@ -103,7 +103,7 @@ def word_starts(pieces: list[str]) -> np.ndarray:
     out = np.arange(len(pieces))
     for i in range(1, len(pieces)):
         b = bounds[i]
-        if pieces[i] and 0 < b < len(text) and text[b - 1].isalnum() and text[b].isalnum():
+        if pieces[i] and 0 < b < len(text) and joins(text[b - 1]) and joins(text[b]):
             out[i] = out[i - 1]
     return out
 

@@ -13,6 +13,7 @@ from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.errors import AhakvError
 from ahakv_local.needle import NEEDLE, QUESTION, build_prompt
 from ahakv_local.session import SessionSpec, open_session
+from ahakv_local.words import not_space
 
 from numerics import F32
 from reference import window_mean, word_max, word_starts
@@ -94,15 +95,16 @@ def test_reconstruction_scores_every_chunk_and_keeps_the_best(fixture_model, lic
         assert best[s.controller.live].min() > 0  # every kept position was scored by some pass
 
 
-def test_a_reconstruction_reading_keeps_words_whole(fixture_model, license_text):
+def test_a_reconstruction_reading_keeps_spans_whole(fixture_model, license_text):
     """Each of AhaKV's reconstruction passes gives a word's tokens one score, but a word read across two chunks
-    keeps a best from each pass: the scores it is evicted by give every token of a word its word's best
-    (``reference.word_max`` over the words of the text the prompt's tokens spell)."""
+    keeps a best from each pass: the scores it is evicted by give every token of a span of text between spaces
+    (a number and its full stop) the span's best (``reference.word_max`` over the spans of the text the prompt's
+    tokens spell)."""
     prompt = tokens_of(fixture_model, license_text, 320)
     spec = SessionSpec.bounded("ahakv", 96, n_recent=8, reading="reconstruct")
     with open_session(fixture_model, spec, longest=len(prompt) + 64 + 16, n_ubatch=64) as s:
         ctl = s.controller
-        words = word_starts([s.engine.detokenize([t]) for t in prompt])
+        words = word_starts([s.engine.detokenize([t]) for t in prompt], joins=not_space)
         seen, real = [], ctl._reconstruction_scores
 
         def spy(query):

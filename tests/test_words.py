@@ -4,10 +4,11 @@ spell (the joined string, not the per-token edges WordMap keeps), and a per-word
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ahakv_local.words import WordMap, max_by_word
+from ahakv_local.words import WordMap, max_by_word, not_space
 
 from reference import word_max, word_starts
 
@@ -15,18 +16,29 @@ from reference import word_max, word_starts
 PIECES = ["The", " pass", " key", " is", " ", "5", "8", "0", ".", " ABC", "DE", "x", "\n\n", ",", " =", "é"]
 
 
+@pytest.mark.parametrize("joins", [str.isalnum, not_space], ids=["words", "spans"])
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(
     tokens=st.lists(st.integers(0, len(PIECES) - 1), min_size=1, max_size=40),
     cuts=st.lists(st.integers(1, 39), max_size=4),
 )
-def test_words_match_the_text_they_spell_whatever_the_chunks(tokens: list[int], cuts: list[int]) -> None:
-    words = WordMap(lambda t: PIECES[t])
+def test_words_match_the_text_they_spell_whatever_the_chunks(joins, tokens: list[int], cuts: list[int]) -> None:
+    words = WordMap(lambda t: PIECES[t], joins)
     edges = sorted({c for c in cuts if c < len(tokens)})
     for a, b in zip([0, *edges], [*edges, len(tokens)], strict=True):
         words.add(a, tokens[a:b])
     positions = np.arange(len(tokens))
-    np.testing.assert_array_equal(words.words(positions), word_starts([PIECES[t] for t in tokens]))
+    np.testing.assert_array_equal(words.words(positions), word_starts([PIECES[t] for t in tokens], joins))
+
+
+def test_a_span_keeps_a_number_with_its_full_stop_and_a_word_does_not() -> None:
+    pieces = ["The", " key", " is", " ", "5", "8", ".", " Remember", " it", "."]
+    tokens = list(range(len(pieces)))
+    words, spans = WordMap(lambda t: pieces[t]), WordMap(lambda t: pieces[t], joins=not_space)
+    words.add(0, tokens)
+    spans.add(0, tokens)
+    np.testing.assert_array_equal(words.words(np.arange(10)), [0, 1, 2, 3, 4, 4, 6, 7, 8, 9])
+    np.testing.assert_array_equal(spans.words(np.arange(10)), [0, 1, 2, 3, 4, 4, 4, 7, 8, 8])
 
 
 def test_a_rewind_forgets_what_follows_and_a_replay_joins_again() -> None:
