@@ -1,6 +1,7 @@
 """Where a budgeted decode step spends its time: cProfile over AhaKV decode steps (KVController.step) after a
 prompt twice the budget, in a session opened as the product opens one. Prints the seconds per token and the
-top functions by cumulative time (llama_decode is ``Engine._run_batch``; the rest is the controller and policy).
+top functions by cumulative time (llama_decode is ``Engine._run_batch``; the rest is the controller and policy), and
+how many of the steps' graphs llama.cpp reused rather than rebuilt (``llama_perf_context``'s ``n_reused``).
 
     AHAKV_THREADS=1 python benchmarks/profile_decode.py --budget 512 --steps 320
     AHAKV_THREADS=1 python benchmarks/profile_decode.py --layer-budgets adaptive --steps 160
@@ -13,6 +14,7 @@ import cProfile
 import pstats
 import time
 
+import llama_cpp
 from common import file_tokens  # benchmarks/ is the script's directory: sys.path[0]
 
 from ahakv_local.models import default_model_path
@@ -34,6 +36,7 @@ def main() -> None:
     with open_session(model, spec, len(tokens)) as session:
         ctl = session.controller
         ctl.prefill(tokens[: 2 * args.budget])
+        before = llama_cpp.llama_perf_context(session.engine.ctx)
         profile = cProfile.Profile()
         start = time.perf_counter()
         profile.enable()
@@ -42,6 +45,8 @@ def main() -> None:
         profile.disable()
         print(f"{(time.perf_counter() - start) / args.steps * 1000:.1f} ms per token (under the profiler)")
         e = session.engine
+        after = llama_cpp.llama_perf_context(e.ctx)
+        print(f"graphs reused: {after.n_reused - before.n_reused} of {after.n_eval - before.n_eval} decode calls")
         print("cells by layer:", [e.n_cells(il) for il in range(e.n_layer)])  # each layer's cache, as allocated
     pstats.Stats(profile).sort_stats("cumulative").print_stats(args.top)
 
