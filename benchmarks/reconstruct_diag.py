@@ -1,13 +1,16 @@
-"""Where a reading's evictions put the key sentence of single-needle items (issue 12, reconstruction reading):
-for each item, the answer, which tokens of the key sentence are still cached after the prompt is read, how many
-decode positions after the sentence's start each of the others was evicted, and how the kept positions spread
-over the prompt (per 256 positions; a uniform keep at 4x is 64 each). Filler: tuning texts the reports do not
-read (LGPL-2.1, GFDL-1.3, Apache-2.0).
+"""Where a reading's evictions put the key sentence of single-needle items (issue 12; ``--task multikey``: the
+asked key's): for each item, the answer, which tokens of the key sentence are still cached after the prompt is
+read, how many decode positions after the sentence's start each of the others was evicted, and how the kept
+positions spread over the prompt (per 256 positions; a uniform keep at 4x is 64 each). Filler: tuning texts the
+reports do not read (LGPL-2.1, GFDL-1.3, Apache-2.0).
 
     python benchmarks/reconstruct_diag.py --reading reconstruct --cells 512 --depths 0.1,0.3,0.5,0.7,0.9 -t 1
     python benchmarks/reconstruct_diag.py --reading surprisal --cells 512 -t 1
+    python benchmarks/reconstruct_diag.py --task multikey --reading query --cells 256 --seed 3:0 -t 1 \
+        --texts GFDL-1.3,LGPL-2.1,MPL-1.1
     python benchmarks/reconstruct_diag.py --reading surprisal --cells 512 --recent 192 --show-kept -t 1
-    python benchmarks/reconstruct_diag.py --reading query --cells 2048 --length 16384 --texts LGPL-2.1,MPL-1.1,GPL-2,MPL-2.0 -t 1
+    python benchmarks/reconstruct_diag.py --reading query --cells 2048 --length 16384 -t 1 \
+        --texts LGPL-2.1,MPL-1.1,GPL-2,MPL-2.0
 
 At 16K the default texts are too short; LGPL-2.1, MPL-1.1, GPL-2 and MPL-2.0 share none with `eval longdoc`'s
 16K filler (GPL-3, Apache-2.0, Artistic, BSD, CC0-1.0, GFDL-1.2).
@@ -32,6 +35,7 @@ TUNING_TEXTS = ("LGPL-2.1", "GFDL-1.3", "Apache-2.0")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--policy", default="ahakv")
+    ap.add_argument("--task", default="single", help="single or multikey (the asked key's sentence is followed)")
     ap.add_argument("--reading", default="reconstruct", choices=READINGS)
     ap.add_argument("--cells", type=int, default=512)
     ap.add_argument("--length", type=int, default=2048)
@@ -56,7 +60,7 @@ def main() -> None:
 
         e.evict = evict
         for depth in (float(d) for d in args.depths.split(",")):
-            item = make_item(e, filler, "single", args.length, depth, args.seed)
+            item = make_item(e, filler, args.task, args.length, depth, args.seed)
             sentence = e.tokenize(f"{SEPARATOR}{item.sentences[0]}{SEPARATOR}", add_bos=False)
             p = item.prompt
             at = next(i for i in range(len(p)) if p[i : i + len(sentence)] == sentence)
