@@ -254,9 +254,9 @@ class KVController:
             g.grow_best(int(g.live[-1]) + 1 if g.live.size else 0)
             g.best[g.live] = np.maximum(g.best[g.live], scores)
             best = g.best[g.live]
-            # a word read across two chunks got a best from each pass: it goes or stays whole all the same, and
-            # with the characters that touch it (a number with its full stop: read back without it, the model
-            # added a digit; on the tuning texts 11 of 15 keys against 7 of 15 for words alone, RESULTS.md)
+            # a word read across two chunks got a best from each pass: its tokens share one best all the same, and so
+            # do the characters that touch it (a number with its full stop: read back without it, the model added a
+            # digit; on the tuning texts 11 of 15 keys against 7 of 15 for words alone, RESULTS.md)
             out.append(max_by_word(self.spans.words(g.live), best) if g.policy.whole_words else best)
         return out
 

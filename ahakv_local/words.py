@@ -7,8 +7,8 @@ both touch without a space or punctuation between them (the previous piece ends,
 letter or digit); ``max_by_word`` gives every live token of a word the best score of its live tokens.
 
 ``WordMap(piece, joins=not_space)`` records runs of text between spaces instead ("17318." with its full stop):
-the reconstruction reading keeps those whole, because there a number that lost its full stop was read back with a
-digit too many ("489689." for 48968, benchmarks/RESULTS.md); a question-guided reading keeps words.
+the reconstruction reading gives each its best score, because there a number that lost its full stop was read
+back with a digit too many ("489689." for 48968, benchmarks/RESULTS.md); a question-guided reading keeps words.
 """
 
 from __future__ import annotations
