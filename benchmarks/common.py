@@ -1,5 +1,5 @@
-"""What the benchmark scripts here share: a text file as the model's tokens, the command line that ran, and a
-report written as JSON with its markdown table beside it (same name, .md)."""
+"""What the benchmark scripts here share: a text file as the model's tokens, license texts by name, the command
+line that ran, and a report written as JSON with its markdown table beside it (same name, .md)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ahakv_local.evaluation import text_tokens
+from ahakv_local.longdoc import LICENSES
 
 
 def file_tokens(model: Path, path: str | Path, n: int | None = None) -> list[int]:
@@ -16,6 +17,11 @@ def file_tokens(model: Path, path: str | Path, n: int | None = None) -> list[int
     other, a blank line between (a document longer than any one license text, for 16K-token runs)."""
     text = "\n\n".join(Path(p).read_text(encoding="utf-8") for p in str(path).split("+"))
     return text_tokens(model, text)[:n]
+
+
+def license_texts(names: str) -> list[str]:
+    """The texts of Debian's license files named in a comma-separated list ("GFDL-1.3,LGPL-2.1"), in that order."""
+    return [(LICENSES / name).read_text() for name in names.split(",")]
 
 
 def text_name(path: str | Path) -> str:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import numpy as np
+from common import license_texts  # benchmarks/ is the script's directory: sys.path[0]
 
 from ahakv_local.budget import READINGS
 from ahakv_local.longdoc import SEPARATOR, Filler, make_item
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--texts", default=",".join(TUNING_TEXTS), help="filler license texts (16K needs more)")
     ap.add_argument("-t", "--threads", type=int, default=None)
     args = ap.parse_args()
-    texts = [Path(f"/usr/share/common-licenses/{name}").read_text() for name in args.texts.split(",")]
+    texts = license_texts(args.texts)
     spec = SessionSpec.bounded(args.policy, args.cells, reading=args.reading, n_recent=args.recent)
     solved = []
     with open_session(default_model_path(), spec, args.length + 16, 64, n_threads=args.threads) as s:

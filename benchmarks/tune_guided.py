@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
+
+from common import license_texts  # benchmarks/ is the script's directory: sys.path[0]
 
 from ahakv_local.longdoc import run_longdoc
 from ahakv_local.models import default_model_path
@@ -42,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     variants = json.loads(args.variants)
     factors = [float(c) for c in args.compressions.split(",")]
-    texts = [Path(f"/usr/share/common-licenses/{name}").read_text() for name in args.texts.split(",")]
+    texts = license_texts(args.texts)
     texts = None if args.report_filler else texts
 
     def rule(n: int) -> list[SessionSpec]:
