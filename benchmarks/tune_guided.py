@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--answers", action="store_true", help="print the answer of every item not solved")
     ap.add_argument("--full", action="store_true", help="run the full cache too (what a variant can at most keep)")
     ap.add_argument("--texts", default=",".join(TUNING_TEXTS), help="filler license texts (16K needs more)")
+    ap.add_argument("--layer-budgets", default="shared", help="shared, natural, uniform, pyramid or adaptive")
     ap.add_argument(
         "--report-filler", action="store_true", help="eval longdoc's filler (the reports' text): to ablate, not to tune"
     )
@@ -48,7 +49,14 @@ def main() -> None:
 
     def rule(n: int) -> list[SessionSpec]:
         return [SessionSpec()] * args.full + [
-            SessionSpec.bounded(policy, int(n / c), label=f"{label}@{c:g}x", reading="query", params=params)
+            SessionSpec.bounded(
+                policy,
+                int(n / c),
+                label=f"{label}@{c:g}x",
+                reading="query",
+                params=params,
+                layer_budgets=args.layer_budgets,
+            )
             for c in factors
             for label, (policy, params) in variants.items()
         ]
