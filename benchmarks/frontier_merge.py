@@ -21,6 +21,11 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", help="JSON reports, each optionally :OLD=NEW,... to rename its layouts")
     ap.add_argument("--policies", default=None, help="only these policies (comma-separated)")
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--versus",
+        metavar="POLICY/LAYOUT",
+        help='also print every row per budget against this one, e.g. "ahakv/adaptive auto" (ppl and KL ratios)',
+    )
     args = ap.parse_args()
     rows, reports = [], []
     for run in args.runs:
@@ -37,6 +42,31 @@ def main() -> None:
         raise SystemExit("the runs read different texts, lengths or trimmed caches: their rows do not compare")
     title = f"{first['model']}, {first['tokens']} tokens of {text_name(first['text'])}"
     print(plot_frontier(rows, first["full_ppl"], first["trimmed_bytes"], Path(args.out), title))
+    if args.versus:
+        print("\n".join(versus_table(rows, args.versus)))
+
+
+def versus_table(rows: list[dict], versus: str) -> list[str]:
+    """Per budget, every row sorted by perplexity beside the ``versus`` row ("policy/layout"): its ppl and KL,
+    their ratios to the reference's, and whether it is below the reference in either."""
+    policy, _, layout = versus.partition("/")
+    lines = [
+        "| budget | policy / layout | ppl | KL | ppl / ref | KL / ref | below ref in |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for frac in dict.fromkeys(r["fraction"] for r in rows):
+        at = sorted((r for r in rows if r["fraction"] == frac), key=lambda r: r["ppl"])
+        ref = next((r for r in at if (r["policy"], r["layer_budgets"]) == (policy, layout)), None)
+        if ref is None:
+            raise SystemExit(f"no row {versus!r} at {frac}")
+        for r in at:
+            below = [k for k in ("ppl", "kl") if r is not ref and r[k] < ref[k]]
+            name = f"**{r['policy']} / {r['layer_budgets']}**" if r is ref else f"{r['policy']} / {r['layer_budgets']}"
+            lines.append(
+                f"| {frac} | {name} | {r['ppl']:.3f} | {r['kl']:.4f} | {r['ppl'] / ref['ppl']:.3f} | "
+                f"{r['kl'] / ref['kl']:.2f} | {', '.join(below) or '-'} |"
+            )
+    return lines
 
 
 if __name__ == "__main__":
