@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .adaptive import LayerShares
-from .budget import PER_LAYER, Allocation, Budget, LayerBudgets, allocate, cells_for
+from .budget import Allocation, Budget, LayerBudgets, allocate, cells_for
 from .engine import Engine, decode_batch
 from .errors import AhakvError
-from .groups import LayerGroup, blend_with_kind, make_groups
+from .groups import LayerGroup, make_groups
 from .native import TapFlag
 from .policies import Observation, Policy
 from .policies.base import avg_pool, unit_mean
@@ -566,10 +566,8 @@ class KVController:
         policy's own score (``Policy.with_query``), or with ``alone`` replace it."""
         if not self.policy.evicts or not self.config.budget.evicts or self._tap is None:
             return 0
-        if query_scores is not None:
-            gone = sum(self._evict(g, q, alone) for g, q in zip(self.groups, query_scores, strict=True))
-        else:
-            gone = sum(self._evict(g, None, own=s) for g, s in zip(self.groups, self._blended(), strict=True))
+        scores = query_scores if query_scores is not None else [None] * len(self.groups)
+        gone = sum(self._evict(g, q, alone) for g, q in zip(self.groups, scores, strict=True))
         if self.shares is not None and self.shares.due(self.engine.n_past):
             gone += self._adapt()
         return gone
@@ -581,8 +579,7 @@ class KVController:
         allocation = self.allocation(self.config.budget, self.shares.decide(self.engine.n_past))
         for g, held in zip(self.groups, allocation.groups, strict=True):
             g.budget = held
-        blended = zip(self.groups, self._blended(), strict=True)
-        gone = sum(self._evict(g, None, measure=False, own=s) for g, s in blended)
+        gone = sum(self._evict(g, None, measure=False) for g in self.groups)
         self.shares.applied({int(g.layers[0]): g.budget for g in self.groups})
         e = self.engine
         if tuple(allocation.cache_cells) != tuple(e.cache_cells(c) for c in e.caches):
@@ -600,32 +597,12 @@ class KVController:
             if g.window:  # llama.cpp reads back only what a sliding cache's window still sees
                 g.live, g.obs = g.read_live(e), None
 
-    def _fresh_obs(self, g: LayerGroup) -> Observation:
+    def _evict(self, g: LayerGroup, query_scores: np.ndarray | None, alone: bool = False, measure: bool = True) -> int:
         if g.obs is None or g.obs.positions is not g.live:
             # the live set changed since the last decode (an eviction, a new budget): re-read the
             # accumulated statistics for it; the policy has already observed them
             g.obs = self._observe(g, self._tap[0])
-        return g.obs
-
-    def _blended(self) -> list[np.ndarray | None]:
-        """One cache per layer: each group's policy score blended with its kind's (``groups.KIND_MIX``); otherwise
-        None for each group (``_evict`` asks its policy)."""
-        if self.config.layer_budgets not in PER_LAYER:
-            return [None] * len(self.groups)
-        own = [g.policy.score(self._fresh_obs(g)) for g in self.groups]
-        return blend_with_kind(self.groups, own)
-
-    def _evict(
-        self,
-        g: LayerGroup,
-        query_scores: np.ndarray | None,
-        alone: bool = False,
-        measure: bool = True,
-        own: np.ndarray | None = None,
-    ) -> int:
-        """Evict ``g`` down to its budget by ``own`` (its score, given; None: its policy's), joined or replaced by
-        ``query_scores``."""
-        obs, budget = self._fresh_obs(g), g.budget
+        obs, budget = g.obs, g.budget
         if self.shares is not None and measure:  # adaptive: the layer's fill (once per observation)
             self.shares.observe(int(g.layers[0]), obs)
         if budget.mode == "auto" and (obs.verr is None or obs.vnorm is None):
@@ -637,7 +614,7 @@ class KVController:
         if query_scores is not None and alone:
             scores = np.asarray(query_scores, dtype=np.float64)
         else:
-            scores = g.policy.score(obs) if own is None else own
+            scores = g.policy.score(obs)
             if query_scores is not None:
                 scores = g.policy.with_query(scores, query_scores)
         if gone.any():

@@ -117,39 +117,3 @@ def make_groups(engine: Engine, policy: Policy, allocation: Allocation) -> list[
         group.live = group.read_live(engine)
         groups.append(group)
     return groups
-
-
-# one cache per layer: the share of a layer's eviction score that is its kind's (blend_with_kind)
-KIND_MIX = 0.0
-
-
-def percentile_ranks(scores: np.ndarray, live: np.ndarray) -> np.ndarray:
-    """[n] -> [n] in [0, 1]: each position's rank among the group's by ``scores`` (ties: the older lower, as
-    the controller evicts them), so that layers whose scores differ in scale can be averaged."""
-    ranks = np.empty(scores.size)
-    ranks[np.lexsort((live, scores))] = np.arange(scores.size) / max(scores.size - 1, 1)
-    return ranks
-
-
-def blend_with_kind(groups: list[LayerGroup], scores: list[np.ndarray], mix: float | None = None) -> list[np.ndarray]:
-    """One cache per layer: each layer's score blended with its kind's (every full-attention or every
-    sliding-window layer), ``(1 - mix) * own rank + mix * kind rank``, where a position's kind rank is the mean of
-    its ranks over the layers of that kind, counting 0 where a layer already evicted it (that layer judged it
-    least). One layer's attention over a few hundred cells is a noisy judge; the layers of a kind read the
-    same text and mostly agree on what matters (the seed's holistic guidance, kept per layer). A score of
-    +inf (a policy insisting on a position) stays. ``mix`` None: ``KIND_MIX``."""
-    mix = KIND_MIX if mix is None else mix
-    if mix == 0 or len(groups) < 2:
-        return scores
-    ranks = [percentile_ranks(s, g.live) for g, s in zip(groups, scores, strict=True)]
-    end = max((int(g.live[-1]) + 1 for g in groups if g.live.size), default=0)
-    kinds = [bool(g.window) for g in groups]
-    total = {kind: np.zeros(end) for kind in set(kinds)}
-    for g, r, kind in zip(groups, ranks, kinds, strict=True):
-        total[kind][g.live] += r
-    count = {kind: kinds.count(kind) for kind in total}
-    blended = []
-    for g, s, r, kind in zip(groups, scores, ranks, kinds, strict=True):
-        b = (1 - mix) * r + mix * total[kind][g.live] / count[kind]
-        blended.append(np.where(np.isposinf(s), np.inf, b))
-    return blended

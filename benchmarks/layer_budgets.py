@@ -18,7 +18,7 @@ from pathlib import Path
 # benchmarks/ is the script's directory: sys.path[0]
 from common import command_line, file_tokens, text_name, write_report
 
-from ahakv_local import adaptive, groups
+from ahakv_local import adaptive
 from ahakv_local.budget import Budget
 from ahakv_local.evaluation import evaluate
 from ahakv_local.info import read_info
@@ -56,15 +56,12 @@ def main() -> None:
     ap.add_argument("--floors", action=argparse.BooleanOptionalAction, default=True, help=floors_help)
     ap.add_argument("--adapt-gamma", type=float, default=None, help="adaptive: adaptive.ADAPT_GAMMA (tuning only)")
     ap.add_argument("--adapt-every", type=int, default=None, help="adaptive: adaptive.ADAPT_EVERY (tuning only)")
-    ap.add_argument("--kind-mix", type=float, default=None, help="per-layer layouts: groups.KIND_MIX (tuning only)")
     ap.add_argument("--out", default="benchmarks/layer_budgets.json")
     args = ap.parse_args()
     if args.adapt_gamma is not None:
         adaptive.ADAPT_GAMMA = args.adapt_gamma
     if args.adapt_every is not None:
         adaptive.ADAPT_EVERY = args.adapt_every
-    if args.kind_mix is not None:
-        groups.KIND_MIX = args.kind_mix
     model = default_model_path()
     tokens = file_tokens(model, args.text, args.tokens)
     trimmed = read_info(model).trimmed_bytes(len(tokens), args.n_ubatch)
