@@ -26,6 +26,7 @@ def main() -> None:
         metavar="POLICY/LAYOUT",
         help='also print every row per budget against this one, e.g. "ahakv/adaptive auto" (ppl and KL ratios)',
     )
+    ap.add_argument("--matrix", action="store_true", help="also print one row per policy/layout, one column per budget")
     args = ap.parse_args()
     rows, reports = [], []
     for run in args.runs:
@@ -42,8 +43,36 @@ def main() -> None:
         raise SystemExit("the runs read different texts, lengths or trimmed caches: their rows do not compare")
     title = f"{first['model']}, {first['tokens']} tokens of {text_name(first['text'])}"
     print(plot_frontier(rows, first["full_ppl"], first["trimmed_bytes"], Path(args.out), title))
+    if args.matrix:
+        print("\n".join(matrix_table(rows)))
     if args.versus:
         print("\n".join(versus_table(rows, args.versus)))
+
+
+def matrix_table(rows: list[dict]) -> list[str]:
+    """One row per policy/layout, one column per budget: ppl (KL) and its rank among the rows of that budget by
+    perplexity / by KL (1: the lowest)."""
+    fracs = list(dict.fromkeys(r["fraction"] for r in rows))
+    rank = {}
+    for frac in fracs:
+        at = [r for r in rows if r["fraction"] == frac]
+        for key in ("ppl", "kl"):
+            for i, r in enumerate(sorted(at, key=lambda r: r[key])):
+                rank[(id(r), key)] = i + 1
+    lines = ["| policy / layout | " + " | ".join(f"{f}: ppl (KL), rank ppl / KL" for f in fracs) + " |"]
+    lines.append("|---|" + "---:|" * len(fracs))
+    for pair in dict.fromkeys((r["policy"], r["layer_budgets"]) for r in rows):
+        cells = []
+        for frac in fracs:
+            r = next((r for r in rows if (r["policy"], r["layer_budgets"], r["fraction"]) == (*pair, frac)), None)
+            n = sum(x["fraction"] == frac for x in rows)
+            cells.append(
+                ""
+                if r is None
+                else f"{r['ppl']:.3f} ({r['kl']:.4f}), {rank[(id(r), 'ppl')]} / {rank[(id(r), 'kl')]} of {n}"
+            )
+        lines.append(f"| {pair[0]} / {pair[1]} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def versus_table(rows: list[dict], versus: str) -> list[str]:
