@@ -223,6 +223,7 @@ def evaluate(
     store_dir: str | Path | None = None,
     rpc_servers: tuple[str, ...] = (),
     n_threads: int | None = None,
+    on_result: Callable[[str, PplResult], None] = lambda label, result: None,
 ) -> dict[str, PplResult]:
     """Streaming perplexity, KL from the full cache and top-1 agreement for each spec, by its label, plus
     the full cache itself under the label "full".
@@ -234,7 +235,8 @@ def evaluate(
     configuration runs alone, and its engine is closed before the next opens. ``progress`` counts
     tokens over all runs: (done, len(tokens) * (len(specs) + 1)). ``rpc_servers``: llama.cpp RPC workers
     that hold the layers of every run; ``n_threads``: the engines' CPU threads (None: AHAKV_THREADS, else
-    every core)."""
+    every core); ``on_result``: called with each run's label and result as soon as it is done (the full cache's
+    first), so that a caller can keep what a long matrix measured so far."""
     if not 1 <= step <= n_ubatch:
         raise ValueError(f"step must be between 1 and n_ubatch ({n_ubatch})")
     labels = [spec.label for spec in specs]
@@ -263,6 +265,7 @@ def evaluate(
             finally:
                 run.session.close()
             results[spec.label] = run.result(len(tokens))
+            on_result(spec.label, results[spec.label])
             if store is not None:
                 store.rewind()
         return results

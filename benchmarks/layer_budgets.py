@@ -4,7 +4,7 @@ budgets of 1/2, 1/4 and 1/8 of llama.cpp's trimmed cache (swa_full off) at the s
     AHAKV_CACHE_DIR=... python benchmarks/layer_budgets.py --text /usr/share/common-licenses/GPL-3 \\
         --tokens 4096 --step 16 --out benchmarks/layer_budgets.json
 
-Nothing is tuned on the text. Results go to a JSON file (rewritten after each policy) and a markdown table
+Nothing is tuned on the text. Results go to a JSON file (rewritten after each run) and a markdown table
 next to it, with the command that produced them, and the frontier (perplexity and KL against allocated bytes)
 as a PNG beside them.
 """
@@ -20,7 +20,7 @@ from common import command_line, file_tokens, text_name, write_report
 
 from ahakv_local import adaptive
 from ahakv_local.budget import Budget
-from ahakv_local.evaluation import evaluate
+from ahakv_local.evaluation import PplResult, evaluate
 from ahakv_local.info import read_info
 from ahakv_local.models import default_model_path
 from ahakv_local.plots import plot_frontier
@@ -77,26 +77,28 @@ def main() -> None:
         "trimmed_bytes": trimmed,
         "results": [],
     }
+    specs = {}
     for policy in args.policies.split(","):
-        specs = {}
         for frac in map(int, args.fractions.split(",")):
             budget = Budget.parse(f"{trimmed // frac}B")
             for label, lb, share, kv in plan:
                 spec = SessionSpec.bounded(policy, budget, layer_budgets=lb, sliding_share=share, kv_type=kv,
                                            label=f"{policy}/{label}/{frac}")  # fmt: skip
-                specs[spec.label] = (spec, label, frac)
-        # each quantized KV type once without eviction: what the quantization alone costs against the f16 full cache
-        quantized = dict.fromkeys(kv for *_, kv in plan if kv != "f16") if args.floors else {}
-        floors = [SessionSpec(f"full {kv}", kv_type=kv) for kv in quantized]
-        floors = [f for f in floors if f.label not in report]
-        t0 = time.perf_counter()
-        runs = [s for s, _, _ in specs.values()] + floors
-        results = evaluate(model, tokens, runs, n_ubatch=args.n_ubatch, step=args.step)
-        for f in floors:
-            r = results[f.label]
-            report[f.label] = {"ppl": r.ppl, "kl": r.kl, "kv_bytes": r.kv_bytes}
-        for key, (spec, label, frac) in specs.items():
-            r = results[key]
+                specs[spec.label] = (spec, policy, label, frac)
+    # each quantized KV type once without eviction: what the quantization alone costs against the f16 full cache
+    quantized = dict.fromkeys(kv for *_, kv in plan if kv != "f16") if args.floors else {}
+    floors = [SessionSpec(f"full {kv}", kv_type=kv) for kv in quantized]
+    t0 = time.perf_counter()
+
+    def record(key: str, r: PplResult) -> None:
+        """One run's result into the report, written at once (a long matrix keeps what it measured if stopped)."""
+        if key == "full":
+            report["full_ppl"] = r.ppl
+            return
+        if key not in specs:  # a floor
+            report[key] = {"ppl": r.ppl, "kl": r.kl, "kv_bytes": r.kv_bytes}
+        else:
+            spec, policy, label, frac = specs[key]
             report["results"].append(
                 {
                     "policy": policy,
@@ -111,11 +113,14 @@ def main() -> None:
                     "seconds": r.seconds,
                 }
             )
-        report["full_ppl"] = results["full"].ppl
-        print(f"{policy}: {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"{key}: ppl {r.ppl:.3f}, KL {r.kl:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
         write_report(report, out, table(report))
         plot_frontier(report["results"], report["full_ppl"], trimmed, out.with_suffix(".png"),
                       f"{model.name}, {len(tokens)} tokens of {text_name(args.text)}")  # fmt: skip
+
+    # one full-cache run, the reference of every configuration's KL
+    runs = [spec for spec, *_ in specs.values()] + floors
+    evaluate(model, tokens, runs, n_ubatch=args.n_ubatch, step=args.step, on_result=record)
 
 
 def table(report: dict) -> str:

@@ -58,9 +58,12 @@ def test_stepping_in_chunks_scores_every_token_and_holds_the_budget(fixture_mode
 def test_kl_of_the_full_cache_against_itself_is_zero(fixture_model, license_text):
     with Engine(fixture_model, EngineConfig(n_ctx=256)) as e:
         tokens = e.tokenize(license_text)[:120]
+    told = []  # what on_result hears, run by run: the full cache first, then each spec in order
     results = evaluate(
-        fixture_model, tokens, [SessionSpec("full again"), SessionSpec.bounded("h2o", 48, label="h2o")], prefix=32
-    )
+        fixture_model, tokens, [SessionSpec("full again"), SessionSpec.bounded("h2o", 48, label="h2o")], prefix=32,
+        on_result=lambda label, r: told.append((label, r)),
+    )  # fmt: skip
+    assert told == list(results.items()) and [label for label, _ in told] == ["full", "full again", "h2o"]
     again, h2o = results["full again"], results["h2o"]
     # the stored rows are within e = scale / 2 of the exact ones, so KL(p' || p) is at most e exp(e) per
     # token; the fixture's rows span < 10 nats (at most 7.6 on GPL-3): e < 10 / 65535 / 2 = 7.7e-5 (LogProbStore)
