@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .budget import KV_TYPE_AUTO, LAYER_BUDGETS, READINGS
+from .budget import DEFAULT_LAYER_BUDGETS, KV_TYPE_AUTO, LAYER_BUDGETS, READINGS
 from .cli_eval import n_gpu_layers_option, rpc_option, threads_option
 from .errors import AhakvError
 from .extras import require
@@ -101,10 +101,10 @@ def engine_options(f):
         click.option(
             "--layer-budgets",
             type=click.Choice(LAYER_BUDGETS),
-            default="shared",
-            show_default=True,
+            default=None,
             envvar="AHAKV_LAYER_BUDGETS",
-            help="How the budget is laid out on the layers: shared, one pool for every layer; natural, one group per "
+            help=f"How the budget is laid out on the layers [default: {DEFAULT_LAYER_BUDGETS}; serve --parallel: "
+            "shared]: shared, one pool for every layer; natural, one group per "
             "KV cache (sliding-window models: the sliding layers keep their window, the full-attention layers the "
             "rest); uniform, pyramid and adaptive, one KV cache per layer, each layer keeping its own tokens (pyramid: "
             "lower layers keep more, as PyramidKV; adaptive: layers whose attention spreads wider keep more, "
@@ -198,7 +198,7 @@ def utf8(data: bytes, where: str) -> str:
 
 def load_llama(
     model, ctx_size, budget, policy, sinks, recent, error_tol, evict_every, observe_steps, threads, n_gpu_layers,
-    batch_size, reading="query", layer_budgets="shared", rpc=None, **extra,
+    batch_size, reading="query", layer_budgets=None, rpc=None, **extra,
 ):  # fmt: skip
     """Resolve, check and load a model as an ahakv_local.Llama; every user mistake is an AhakvError."""
     from .budget import Budget, parse_schedule
@@ -243,7 +243,7 @@ def load_llama(
             kv_evict_every=evict_every,
             kv_observe_steps=observe_steps,
             kv_query={"query": True, "plain": False}.get(reading, reading),
-            kv_layer_budgets=layer_budgets,
+            kv_layer_budgets=layer_budgets or DEFAULT_LAYER_BUDGETS,
             rpc_servers=rpc,
             **extra,
         )
@@ -389,7 +389,7 @@ def serve(model, host, port, max_tokens_limit, parallel, **engine) -> None:
 
 def load_pool(
     model, parallel, ctx_size, budget, policy, sinks, recent, error_tol, evict_every, observe_steps, threads,
-    n_gpu_layers, batch_size, reading="query", layer_budgets="shared", **extra,
+    n_gpu_layers, batch_size, reading="query", layer_budgets=None, **extra,
 ):  # fmt: skip
     """``parallel`` sequence slots of one context for ``serve --parallel``; every user mistake is an AhakvError."""
     from .budget import Budget, parse_schedule
@@ -397,7 +397,7 @@ def load_pool(
 
     if budget is None or Budget.parse(budget).mode != "cells":
         raise AhakvError("--parallel needs --budget in cells: each sequence holds its own budget in one context")
-    if layer_budgets != "shared":
+    if layer_budgets not in (None, "shared"):  # its default: the sequences of one context share one pool each
         raise AhakvError("--parallel needs --layer-budgets shared")
     if extra.get("kv_type") not in (None, KV_TYPE_AUTO, "f16"):  # auto: f16 for a budget in cells
         raise AhakvError(f"--parallel keeps K and V in f16: drop --kv-type {extra['kv_type']}")

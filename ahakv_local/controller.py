@@ -30,7 +30,7 @@ import numpy as np
 
 from .adaptive import LayerShares
 from .budget import Allocation, Budget, LayerBudgets, allocate, cells_for
-from .engine import Engine, decode_batch
+from .engine import Engine, LayerCache, decode_batch
 from .errors import AhakvError
 from .groups import LayerGroup, make_groups
 from .native import TapFlag
@@ -96,6 +96,8 @@ class ControllerStats:
     cells_used: int = 0
     budget: int | None = None  # the current target in cells (auto: the last decision)
     tokens_seen: int = 0
+    # positions the first group evicted (the one ``cells_used`` counts: tokens_seen = cells_used + evicted until a
+    # rewind); each group's own count is ``LayerGroup.evicted``
     evicted: int = 0
     evictions: int = 0  # native eviction calls
     guide_tokens: int = 0  # tokens decoded to guide a reading (questions, repetitions), then removed
@@ -168,6 +170,7 @@ class KVController:
             self.config.sliding_share,
             self.config.n_sink + self.config.n_recent,
             layer_weights,
+            e.cache_cells(LayerCache.SLIDING),
         )
 
     # -- decoding ------------------------------------------------------------------------------------
@@ -647,7 +650,8 @@ class KVController:
         g.live = np.delete(g.live, victims)
         g.obs = None
         g.evicted += k
-        self.stats.evicted += k
+        if g is self.groups[0]:
+            self.stats.evicted += k
         self.stats.evictions += 1
         self.stats.cells_used = self.live.size
         return k

@@ -31,7 +31,7 @@ import llama_cpp
 import numpy as np
 
 from . import rpc, upstream
-from .budget import KV_TYPE_AUTO, QUERY_TOKENS, QUESTION_AGNOSTIC, Budget
+from .budget import DEFAULT_LAYER_BUDGETS, KV_TYPE_AUTO, QUERY_TOKENS, QUESTION_AGNOSTIC, Budget
 from .controller import ControllerStats, KVController
 from .engine import Engine, clear_next_caches, kv_type_params, set_next_caches
 from .errors import AhakvError
@@ -133,7 +133,7 @@ class Llama(llama_cpp.Llama):
         kv_pinned: tuple[int, int] | None = None,
         kv_reuse_compressed: bool = False,
         kv_query: bool | str = True,
-        kv_layer_budgets: str = "shared",
+        kv_layer_budgets: str = DEFAULT_LAYER_BUDGETS,
         kv_type: str | None = None,
         rpc_servers: str | Sequence[str] | None = None,
         repack_weights: bool = True,

@@ -26,20 +26,25 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--step", type=int, default=16)
+    ap.add_argument("--layer-budgets", default="shared", help="layouts crossed with the variants (comma-separated)")
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: every core)")
     args = ap.parse_args()
     model = default_model_path()
     tokens = file_tokens(model, args.text, args.tokens)
+    layouts = args.layer_budgets.split(",")
     specs = [
-        SessionSpec.bounded(policy, args.budget, label=label, params=params)
+        SessionSpec.bounded(
+            policy, args.budget, label=label + ("" if len(layouts) == 1 else f" {lb}"), params=params, layer_budgets=lb
+        )
         for label, (policy, params) in json.loads(args.variants).items()
+        for lb in layouts
     ]
     start = time.time()
     results = evaluate(model, tokens, specs, step=args.step, n_threads=args.threads)
     print(f"{Path(args.text).name}, {len(tokens)} tokens, budget {args.budget}, step {args.step}")
-    print("| variant | ppl | mean KL | top-1 |\n|---|---:|---:|---:|")
+    print("| variant | ppl | mean KL | top-1 | KV MiB |\n|---|---:|---:|---:|---:|")
     for label, r in results.items():
-        print(f"| {label} | {r.ppl:.3f} | {r.kl:.4f} | {r.top1:.3f} |")
+        print(f"| {label} | {r.ppl:.3f} | {r.kl:.4f} | {r.top1:.3f} | {r.kv_bytes / 2**20:.2f} |")
     print(f"{time.time() - start:.0f} s")
 
 

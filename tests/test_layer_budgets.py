@@ -13,6 +13,7 @@ unchanged by that code).
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -237,7 +238,8 @@ def run_checked(path, text, spec: SessionSpec, prompt: int, steps: int, longest:
             assert not np.intersect1d(seen, before[max(0, before.size - n_recent) :]).size, f"{g.name}: a recent one"
             assert before[-1] not in victims, f"{g.name}: the newest position was evicted"
             assert np.isin(victims, before).all()
-        assert c.stats.evicted == sum(v.size for *_, v in evictions) == sum(g.evicted for g in c.groups)
+        assert sum(v.size for *_, v in evictions) == sum(g.evicted for g in c.groups)
+        assert c.stats.evicted == c.groups[0].evicted == sum(v.size for g, _, _, v in evictions if g is c.groups[0])
         return {g.name: (g.live.copy(), g.evicted) for g in c.groups} | {"every": every, "kv_bytes": e.kv_bytes()}
 
 
@@ -427,3 +429,62 @@ def test_the_command_line_takes_layer_budgets():
 
     out = CliRunner().invoke(main, ["generate", "--help"]).output
     assert "--layer-budgets [shared|natural|uniform|pyramid|adaptive]" in out and "16MiB" in out
+    assert "[default: natural; serve --parallel: shared]" in " ".join(out.split())
+
+
+def test_the_product_lays_a_cell_budget_out_in_natural_groups(gemma3_fixture, license_text, monkeypatch):
+    """The drop-in and the command line default to ``natural``: a cell budget is what the full-attention layers
+    hold, the sliding-window layers hold at most their window (+ one eviction period), so the allocated bytes are
+    fewer than the shared pool's at the same budget (known answer: 128 bytes per cell per layer, cells_for)."""
+    from ahakv_local import Llama
+    from ahakv_local import cli as cli_module
+
+    kw = dict(kv_budget=64, kv_policy="h2o", kv_recent=8, kv_evict_every=4, n_ctx=400, n_batch=CHUNK,
+              n_ubatch=CHUNK, verbose=False)  # fmt: skip
+    with Llama(str(gemma3_fixture), **kw) as llm, Llama(str(gemma3_fixture), kv_layer_budgets="shared", **kw) as pool:
+        c = llm.kv_controller
+        assert [g.name for g in c.groups] == ["base", "sliding"]
+        assert c.group("sliding").budget.value == WINDOW + 4 - 1 < 64
+        base, sliding = (cells_for(Budget("cells", n), CHUNK, 0) for n in (64, WINDOW + 4 - 1))
+        assert llm.kv_engine.kv_bytes() == 128 * (base + sliding) < pool.kv_engine.kv_bytes() == 128 * 2 * base
+        llm.eval(llm.kv_engine.tokenize(license_text)[:150])
+        for g in c.groups:
+            assert g.live.size <= g.budget.target(llm.kv_engine.n_past)
+        assert llm.kv_stats().evicted == llm.kv_stats().tokens_seen - llm.kv_stats().cells_used
+    seen = {}
+    monkeypatch.setattr(cli_module, "load_llama", lambda model, **engine: seen.update(engine) or sys.exit(0))
+    from click.testing import CliRunner
+
+    CliRunner().invoke(cli_module.main, ["generate", str(gemma3_fixture), "-p", "x", "--budget", "64"])
+    assert seen["layer_budgets"] is None  # resolved by load_llama to DEFAULT_LAYER_BUDGETS
+
+
+def test_an_auto_budget_in_caches_sized_for_fewer_cells(gemma3_fixture, license_text):
+    """Natural groups in caches sized for a 20-cell budget: 'auto' (a server request's kv_budget) leaves the
+    sliding group what its cache has room for (its window would not fit) instead of refusing the request."""
+    spec = SessionSpec.bounded("ahakv", 20, n_recent=8, evict_every=4, layer_budgets="natural")
+    with open_session(gemma3_fixture, spec, longest=400, n_ubatch=CHUNK) as s:
+        c, e = s.controller, s.engine
+        sliding_cells = e.cache_cells(SLIDING)
+        c.set_budget(Budget.parse("auto"))
+        assert c.group("base").budget.mode == "auto"
+        assert c.group("sliding").budget.value == sliding_cells - (CHUNK + 1 + c.config.room) < WINDOW + 4 - 1
+        for t in e.tokenize(license_text)[:60]:  # auto keeps up to 40% of the tokens seen: 24 base cells of 37
+            c.step(t)
+            np.testing.assert_array_equal(c.group("sliding").live, c.group("sliding").read_live(e))
+            assert c.group("sliding").live.size <= c.group("sliding").budget.value
+
+
+def test_an_auto_budget_keeps_what_an_existing_sliding_cache_holds():
+    """``allocate(sliding_cells=)``: an auto budget's sliding group holds its window, or, where the existing
+    sliding cache is too small for it (sized for a smaller budget), what that cache holds after a chunk and the
+    newest token (known answers on Gemma 3 270M's layout)."""
+    auto, chunk, every = Budget.parse("auto"), 64, 32
+    kw = dict(layout=GEMMA3_270M, layer_budgets="natural", chunk=chunk, longest=4096, every=every)
+    fresh = allocate(auto, **kw)
+    assert fresh.groups[1] == Budget("cells", 512 + every - 1)
+    assert allocate(auto, **kw, sliding_cells=fresh.cache_cells[1]) == fresh  # the caches it sized itself
+    small = allocate(auto, **kw, sliding_cells=225)
+    assert small.groups[1] == Budget("cells", 225 - chunk - 1) and small.cache_cells[1] == 225
+    short = allocate(auto, **(kw | {"longest": 300}))  # a short context: every position fits, nothing to cap
+    assert allocate(auto, **(kw | {"longest": 300}), sliding_cells=short.cache_cells[1]) == short
