@@ -345,7 +345,20 @@ def info(model, budget, ctx_size, ubatch_size) -> None:
         raise AhakvError("--budget must be at least 1 cell")
     if ctx_size is not None and ctx_size < 1:
         raise AhakvError("--ctx-size must be at least 1")
-    click.echo(describe(read_info(resolve_model(model, progress=True)), budget, ctx_size, ubatch_size))
+    model_info = read_info(resolve_model(model, progress=True))
+    click.echo(describe(model_info, budget, ctx_size, ubatch_size))
+    # what generate and serve allocate for that budget: the default layout, 64-token chunks, a question's room
+    from .session import SessionSpec
+
+    layout = model_info.cache_layout()
+    spec = SessionSpec.bounded("ahakv", budget, layer_budgets=DEFAULT_LAYER_BUDGETS, reading="query")
+    cells = spec.allocation(layout, 64, ctx_size or model_info.n_ctx_train).cache_cells
+    parts = f"full {cells[0]:,} cells" + (f" + sliding {cells[1]:,} cells" if layout.sliding_bytes else "")
+    click.echo(
+        f"KV at budget   {budget:,} cells, {DEFAULT_LAYER_BUDGETS} layer budgets: "
+        f"{layout.bytes((cells[0], cells[1] if layout.sliding_bytes else 0)) / 2**20:.1f} MiB = {parts} "
+        "(as generate and serve allocate it: a prompt chunk of 64 and a question's room on top)"
+    )
 
 
 @main.command()

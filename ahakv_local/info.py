@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .budget import CacheLayout
 from .errors import AhakvError
 from .gguf_header import Value, read_header
 
@@ -88,6 +89,13 @@ class ModelInfo:
         except AhakvError:
             return False
         return True
+
+    def cache_layout(self) -> CacheLayout:
+        """What laying out a budget needs (``budget.allocate``), from the header alone: F16 K and V."""
+        n_swa = self.n_layer_swa
+        return CacheLayout(
+            self.cell_bytes(self.n_layer - n_swa), self.cell_bytes(n_swa), self.sliding_window if n_swa else 0
+        )
 
     def trimmed_bytes(self, n_ctx: int, n_ubatch: int = 512) -> int:
         """K+V bytes (f16) llama.cpp's own tools allocate for ``n_ctx`` positions: every cache, the sliding one

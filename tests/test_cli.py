@@ -128,6 +128,18 @@ def test_info_reports_the_savings(gemma_model):
     assert "full cache 576.0 MiB; budget 512 cells 9.0 MiB (64x smaller" in proc.stdout
 
 
+def test_info_states_what_generate_allocates(gemma_model):
+    """info's line for the product's layout against a second path: what generate's engine really allocated at the
+    same budget (natural groups: 1,024 cells in the full-attention cache, its window + one eviction period in the
+    sliding one, each with a chunk, the newest token and a question's room)."""
+    said = re.search(r"KV at budget   1,024 cells, natural layer budgets: ([\d.]+) MiB = full ([\d,]+) cells",
+                     ahakv("info", str(gemma_model), "--budget", "1024").stdout)  # fmt: skip
+    proc = ahakv("generate", str(gemma_model), "-p", "Hello", "-n", "1", "--budget", "1024", "--stats")
+    done = re.search(r"\((\d+) allocated, ([\d.]+) MiB KV, f16\)", proc.stderr + proc.stdout)
+    assert said and done, proc.stderr
+    assert said.group(1) == done.group(2) and int(said.group(2).replace(",", "")) == int(done.group(1)) == 1024 + 129
+
+
 def test_environment_variables_mirror_options(fixture_model):
     env = {**os.environ, "AHAKV_BUDGET": "20"}
     assert_one_line_error(ahakv("generate", str(fixture_model), "-p", "x", env=env), r"error: budget 20 is smaller")
