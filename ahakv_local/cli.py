@@ -335,7 +335,14 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
     show_default=True,
     help="llama.cpp's n_ubatch: a trimmed sliding-window cache holds the window plus one ubatch.",
 )
-def info(model, budget, ctx_size, ubatch_size) -> None:
+@click.option(
+    "--layer-budgets",
+    type=click.Choice(["shared", "natural"]),  # the per-layer layouts' holdings follow the text
+    default=DEFAULT_LAYER_BUDGETS,
+    show_default=True,
+    help="The layout whose allocation at --budget to state.",
+)
+def info(model, budget, ctx_size, ubatch_size, layer_budgets) -> None:
     """Architecture, heads, sliding window, trained context and KV bytes of MODEL, per KV cache for
     swa_full on (llama-cpp-python's default) and off (llama.cpp's own tools: the sliding cache trimmed)."""
     from .info import describe, read_info
@@ -351,11 +358,11 @@ def info(model, budget, ctx_size, ubatch_size) -> None:
     from .session import SessionSpec
 
     layout = model_info.cache_layout()
-    spec = SessionSpec.bounded("ahakv", budget, layer_budgets=DEFAULT_LAYER_BUDGETS, reading="query")
+    spec = SessionSpec.bounded("ahakv", budget, layer_budgets=layer_budgets, reading="query")
     cells = spec.allocation(layout, 64, ctx_size or model_info.n_ctx_train).cache_cells
     parts = f"full {cells[0]:,} cells" + (f" + sliding {cells[1]:,} cells" if layout.sliding_bytes else "")
     click.echo(
-        f"KV at budget   {budget:,} cells, {DEFAULT_LAYER_BUDGETS} layer budgets: "
+        f"KV at budget   {budget:,} cells, {layer_budgets} layer budgets: "
         f"{layout.bytes((cells[0], cells[1] if layout.sliding_bytes else 0)) / 2**20:.1f} MiB = {parts} "
         "(as generate and serve allocate it: a prompt chunk of 64 and a question's room on top)"
     )

@@ -138,6 +138,9 @@ def test_info_states_what_generate_allocates(gemma_model):
     done = re.search(r"\((\d+) allocated, ([\d.]+) MiB KV, f16\)", proc.stderr + proc.stdout)
     assert said and done, proc.stderr
     assert said.group(1) == done.group(2) and int(said.group(2).replace(",", "")) == int(done.group(1)) == 1024 + 129
+    # the shared pool gives the sliding cache as many cells as the full one (known answer)
+    shared = ahakv("info", str(gemma_model), "--budget", "1024", "--layer-budgets", "shared").stdout
+    assert "shared layer budgets: 20.3 MiB = full 1,153 cells + sliding 1,153 cells" in shared
 
 
 def test_environment_variables_mirror_options(fixture_model):
