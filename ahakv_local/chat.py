@@ -144,9 +144,8 @@ class ChatSession:
             max_ratio=kv.config.budget.max_ratio,
             error_tol=kv.config.budget.error_tol,
         )
-        held = kv.live.size  # the full-attention layers' positions, which the cell budget counts (as /stats)
-        kv.set_budget(b)  # checks the floor, the allocated cells and the policy's capability
-        return f"budget: {b} (evicted {held - kv.live.size} now)"
+        evicted = kv.set_budget(b)  # checks the floor, the allocated cells and the policy's capability
+        return f"budget: {b} (evicted {evicted} now)"
 
     def _controller(self):
         if self.llm.kv_controller is None:

@@ -17,6 +17,8 @@ from .errors import AhakvError
 from .extras import require
 from .info import KV_CACHE_TYPES
 
+BUDGETED_BATCH = 64  # prompt tokens per decode call under a budget: the cache stays within one chunk of it
+
 
 class Group(click.Group):
     """Turns AhakvError into ``error: ...`` and exit code 1, a bad option into one line and exit code 2."""
@@ -224,7 +226,7 @@ def load_llama(
     threads = threads or default_threads()  # llama-cpp-python's own default would be half the cores
     from .llama import Llama
 
-    batch_size = batch_size or (64 if budget is not None else 512)
+    batch_size = batch_size or (BUDGETED_BATCH if budget is not None else 512)
     try:
         return Llama(
             str(path),
@@ -354,17 +356,16 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets) -> None:
         raise AhakvError("--ctx-size must be at least 1")
     model_info = read_info(resolve_model(model, progress=True))
     click.echo(describe(model_info, budget, ctx_size, ubatch_size))
-    # what generate and serve allocate for that budget: the default layout, 64-token chunks, a question's room
+    # what generate and serve allocate for that budget: their chunks, a question's room
     from .session import SessionSpec
 
     layout = model_info.cache_layout()
     spec = SessionSpec.bounded("ahakv", budget, layer_budgets=layer_budgets, reading="query")
-    cells = spec.allocation(layout, 64, ctx_size or model_info.n_ctx_train).cache_cells
-    parts = f"full {cells[0]:,} cells" + (f" + sliding {cells[1]:,} cells" if layout.sliding_bytes else "")
+    cells = spec.allocation(layout, BUDGETED_BATCH, ctx_size or model_info.n_ctx_train).cache_cells
+    parts = f"full {cells[0]:,} cells" + (f" + sliding {cells[1]:,} cells" if cells[1] else "")
     click.echo(
-        f"KV at budget   {budget:,} cells, {layer_budgets} layer budgets: "
-        f"{layout.bytes((cells[0], cells[1] if layout.sliding_bytes else 0)) / 2**20:.1f} MiB = {parts} "
-        "(as generate and serve allocate it: a prompt chunk of 64 and a question's room on top)"
+        f"KV at budget   {budget:,} cells, {layer_budgets} layer budgets: {layout.bytes(cells) / 2**20:.1f} MiB = "
+        f"{parts} (as generate and serve allocate it: a prompt chunk of {BUDGETED_BATCH} and a question's room on top)"
     )
 
 
@@ -436,7 +437,7 @@ def load_pool(
     from .engine import Engine, EngineConfig
     from .parallel import SequencePool
 
-    batch_size = batch_size or 64
+    batch_size = batch_size or BUDGETED_BATCH
     cells = SequencePool.context_cells(spec.budget, parallel, batch_size, spec.room(batch_size))
     config = EngineConfig(
         n_ctx=cells, n_batch=batch_size, n_ubatch=batch_size, n_threads=threads, n_gpu_layers=n_gpu_layers,

@@ -377,12 +377,15 @@ class KVController:
             )
 
     def set_budget(self, budget: Budget) -> int:
-        """Check, apply and enforce a new budget now; returns how many positions were evicted."""
+        """Check, apply and enforce a new budget now; returns how many positions were evicted (as
+        ``ControllerStats.evicted`` counts them: the first group's)."""
         self.check_budget(budget)
         self.config.budget = budget
         for g, held in zip(self.groups, self.allocation(budget).groups, strict=True):
             g.budget = held
-        return self.evict()
+        before = self.stats.evicted
+        self.evict()
+        return self.stats.evicted - before
 
     def configure(self, budget: Budget, policy: Policy) -> None:
         """Check ``budget`` with ``policy`` together, then make them the ones in force: the configured budget,

@@ -53,7 +53,7 @@ def matrix_table(rows: list[dict]) -> list[str]:
     """One row per policy/layout, one column per budget: ppl (KL) and its rank among the rows of that budget by
     perplexity / by KL (1: the lowest)."""
     fracs = list(dict.fromkeys(r["fraction"] for r in rows))
-    rank = {}
+    rank, n = {}, {frac: sum(r["fraction"] == frac for r in rows) for frac in fracs}
     for frac in fracs:
         at = [r for r in rows if r["fraction"] == frac]
         for key in ("ppl", "kl"):
@@ -65,11 +65,10 @@ def matrix_table(rows: list[dict]) -> list[str]:
         cells = []
         for frac in fracs:
             r = next((r for r in rows if (r["policy"], r["layer_budgets"], r["fraction"]) == (*pair, frac)), None)
-            n = sum(x["fraction"] == frac for x in rows)
             cells.append(
                 ""
                 if r is None
-                else f"{r['ppl']:.3f} ({r['kl']:.4f}), {rank[(id(r), 'ppl')]} / {rank[(id(r), 'kl')]} of {n}"
+                else f"{r['ppl']:.3f} ({r['kl']:.4f}), {rank[(id(r), 'ppl')]} / {rank[(id(r), 'kl')]} of {n[frac]}"
             )
         lines.append(f"| {pair[0]} / {pair[1]} | " + " | ".join(cells) + " |")
     return lines
