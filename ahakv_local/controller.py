@@ -610,7 +610,8 @@ class KVController:
             g.obs = self._observe(g, self._tap[0])
         obs, budget = g.obs, g.budget
         if self.shares is not None and measure:  # adaptive: the layer's fill (once per observation)
-            self.shares.observe(int(g.layers[0]), obs)
+            for il in g.layers:  # EXPERIMENT hybrid
+                self.shares.observe(int(il), obs)
         if budget.mode == "auto" and (obs.verr is None or obs.vnorm is None):
             return 0  # the error model decides at the next observed step (the budget just became auto)
         n = g.live.size
