@@ -14,7 +14,6 @@ the allocated K+V bytes of every layer (every cache, as llama.cpp allocates them
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -370,15 +369,11 @@ def _per_layer(
     window = layout.window + every - 1
     layers_of = {kind: [il for il, s in enumerate(sliding) if s == kind] for kind in (False, True)}
     held: dict[int, Budget] = {}
-    # experiment (reverted): AHAKV_HYBRID=sliding|full puts that kind's layers in one cache, the other kind per layer
-    shared_kind = {"sliding": True, "full": False}.get(os.environ.get("AHAKV_HYBRID", ""))
     for kind, layers in layers_of.items():
         mean = natural.groups[int(kind)]
         weights = [1.0] * len(layers)
         low, high = 0.0, math.inf
-        if kind == shared_kind:
-            pass
-        elif layer_budgets == "pyramid":
+        if layer_budgets == "pyramid":
             weights = pyramid_weights(len(layers))
         elif layer_budgets == "adaptive" and layer_weights is not None:
             given = [float(layer_weights[il]) for il in layers]
@@ -394,33 +389,14 @@ def _per_layer(
         weights = spread(weights, low, high)
         for il, w in zip(layers, weights, strict=True):
             held[il] = _scaled(mean, w, window if kind else None)
-    groups = per_layer_groups(sliding) if shared_kind is None else _hybrid_groups(sliding, shared_kind)
+    groups = per_layer_groups(sliding)
     order = sorted(range(len(sliding)), key=lambda il: groups[il])  # the layer of each cache, by cache
-    if shared_kind is not None:  # one layer per cache
-        seen = set()
-        order = [il for il in order if not (groups[il] in seen or seen.add(groups[il]))]
     budgets = tuple(held[il] for il in order)
     if budget.mode in ("bytes", "cells"):  # each layer holds cells: its cache is what cells_for says they need
         cells = tuple(cells_for(b, chunk, longest, room) for b in budgets)
     else:  # a ratio, auto or none can need every position: each layer's cache as natural sizes its kind's
         cells = tuple(natural.cache_cells[int(sliding[il])] for il in order)
     return Allocation(layer_budgets, budgets, cells, groups, tuple(sliding[il] for il in order))
-
-
-def _hybrid_groups(sliding: Sequence[bool], shared_kind: bool) -> tuple[int, ...]:
-    """The cache of each layer when the layers of ``shared_kind`` share one cache (0 or 1) and the others have one
-    each, numbered as ``per_layer_groups`` numbers them."""
-    first = [sliding.index(False), sliding.index(True)]
-    out, nxt = [], 2
-    for il, s in enumerate(sliding):
-        if s == shared_kind:
-            out.append(int(s))
-        elif il in first:
-            out.append(first.index(il))
-        else:
-            out.append(nxt)
-            nxt += 1
-    return tuple(out)
 
 
 def _scaled(mean: Budget, weight: float, cap: int | None) -> Budget:

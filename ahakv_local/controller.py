@@ -610,8 +610,7 @@ class KVController:
             g.obs = self._observe(g, self._tap[0])
         obs, budget = g.obs, g.budget
         if self.shares is not None and measure:  # adaptive: the layer's fill (once per observation)
-            for il in g.layers:  # EXPERIMENT hybrid
-                self.shares.observe(int(il), obs)
+            self.shares.observe(int(g.layers[0]), obs)
         if budget.mode == "auto" and (obs.verr is None or obs.vnorm is None):
             return 0  # the error model decides at the next observed step (the budget just became auto)
         n = g.live.size
