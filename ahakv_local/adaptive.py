@@ -74,10 +74,7 @@ class LayerShares:
         """New shares: each layer's times (its fill / its kind's mean fill) ** gamma, mean 1 over each kind.
         ``budget.allocate`` bounds them (``ADAPTIVE_RANGE``) and the caller stores what it applied (``applied``)."""
         w = self.weights.copy()
-        import os  # EXPERIMENT
-
-        kinds = {"sliding": (True,), "full": (False,)}.get(os.environ.get("AHAKV_ADAPT_KINDS", ""), (False, True))
-        for kind in kinds:
+        for kind in (False, True):
             of_kind = self.sliding == kind
             if of_kind.any():
                 f = self.fill[of_kind]
