@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--full", action="store_true", help="run the full cache too (what a variant can at most keep)")
     ap.add_argument("--texts", default=",".join(TUNING_TEXTS), help="filler license texts (16K needs more)")
     ap.add_argument("--layer-budgets", default="shared", help="shared, natural, uniform, pyramid or adaptive")
+    ap.add_argument("--sinks", type=int, default=4, help="first positions never evicted (SessionSpec.n_sink)")
     ap.add_argument(
         "--report-filler", action="store_true", help="eval longdoc's filler (the reports' text): to ablate, not to tune"
     )
@@ -56,6 +57,7 @@ def main() -> None:
                 reading="query",
                 params=params,
                 layer_budgets=args.layer_budgets,
+                n_sink=args.sinks,
             )
             for c in factors
             for label, (policy, params) in variants.items()
