@@ -17,6 +17,7 @@ import time
 import numpy as np
 from common import file_tokens  # benchmarks/ is the script's directory: sys.path[0]
 
+from ahakv_local.budget import LAYER_BUDGETS
 from ahakv_local.engine import Engine
 from ahakv_local.models import default_model_path
 from ahakv_local.session import SessionSpec, open_session
@@ -67,6 +68,9 @@ def main() -> None:
         print(*one(args.one, args))
         return
     layouts = args.layouts.split(",")
+    for name in layouts:
+        if name.removesuffix("-frozen") not in LAYER_BUDGETS or name.endswith("-frozen") and name != "adaptive-frozen":
+            ap.error(f"--layouts: {name!r} is not one of {', '.join(LAYER_BUDGETS)} or adaptive-frozen")
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in layouts}
     for _ in range(args.rounds):
         for name in layouts:
