@@ -347,7 +347,7 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
 def info(model, budget, ctx_size, ubatch_size, layer_budgets) -> None:
     """Architecture, heads, sliding window, trained context and KV bytes of MODEL, per KV cache for
     swa_full on (llama-cpp-python's default) and off (llama.cpp's own tools: the sliding cache trimmed)."""
-    from .info import describe, read_info
+    from .info import BudgetAllocation, describe, read_info
     from .models import resolve_model
 
     if budget < 1:
@@ -355,18 +355,13 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets) -> None:
     if ctx_size is not None and ctx_size < 1:
         raise AhakvError("--ctx-size must be at least 1")
     model_info = read_info(resolve_model(model, progress=True))
-    click.echo(describe(model_info, budget, ctx_size, ubatch_size))
     # what generate and serve allocate for that budget: their chunks, a question's room
     from .session import SessionSpec
 
-    layout = model_info.cache_layout()
     spec = SessionSpec.bounded("ahakv", budget, layer_budgets=layer_budgets, reading="query")
-    cells = spec.allocation(layout, BUDGETED_BATCH, ctx_size or model_info.n_ctx_train).cache_cells
-    parts = f"full {cells[0]:,} cells" + (f" + sliding {cells[1]:,} cells" if cells[1] else "")
-    click.echo(
-        f"KV at budget   {budget:,} cells, {layer_budgets} layer budgets: {layout.bytes(cells) / 2**20:.1f} MiB = "
-        f"{parts} (as generate and serve allocate it: a prompt chunk of {BUDGETED_BATCH} and a question's room on top)"
-    )
+    cells = spec.allocation(model_info.cache_layout(), BUDGETED_BATCH, ctx_size or model_info.n_ctx_train).cache_cells
+    at = BudgetAllocation(budget, layer_budgets, cells, BUDGETED_BATCH)
+    click.echo(describe(model_info, ctx_size, ubatch_size, at))
 
 
 @main.command()

@@ -207,10 +207,32 @@ def mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def describe(info: ModelInfo, budget: int, context: int | None, n_ubatch: int = 512) -> str:
+@dataclass(frozen=True)
+class BudgetAllocation:
+    """What generate and serve allocate for a budget (``SessionSpec.allocation``, computed by the caller so that
+    ``info`` reads no session code): the cells of the full-attention and the sliding-window cache."""
+
+    budget: int
+    layer_budgets: str
+    cells: tuple[int, int]
+    chunk: int  # the prompt chunk the allocation holds on top of the budget
+
+
+def saving(baseline: int, allocated: int, who: str) -> str:
+    """How much less than ``who`` a budget allocates (e.g. "51x less than ... (98.0% saved)"), or that it saves
+    nothing when it is near the context (its chunk and a question's room come on top of it)."""
+    if allocated >= baseline:
+        return f"no saving against {who} ({allocated / baseline:.2f}x its bytes)"
+    ratio = baseline / allocated
+    times = f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
+    return f"{times} less than {who} ({100 * (1 - allocated / baseline):.1f}% saved)"
+
+
+def describe(info: ModelInfo, context: int | None, n_ubatch: int = 512, at: BudgetAllocation | None = None) -> str:
+    """What ``info`` prints: the model's shape, the KV bytes of what a user would otherwise run at ``context``
+    positions (llama-cpp-python's default and, for a sliding-window model, llama.cpp's trimmed cache), and what
+    a budget really allocates, compared with both."""
     context = context or info.n_ctx_train
-    per_token = info.kv_bytes_per_token()
-    full, bounded = per_token * context, per_token * budget
     lines = [
         f"model          {info.name} ({info.path.name}, {mib(info.file_bytes)})",
         f"architecture   {info.architecture}",
@@ -223,13 +245,35 @@ def describe(info: ModelInfo, budget: int, context: int | None, n_ubatch: int = 
         f"heads          {info.n_head} query, {info.n_head_kv} KV (head size {info.head_dim_k})",
         f"sliding window {info.sliding_window or 'none'}" + (" (a second KV cache)" if info.n_layer_swa else ""),
         f"trained ctx    {info.n_ctx_train:,} positions",
-        f"KV per token   {per_token:,} bytes (F16 K and V, all layers)",
-        f"at {context:,} tokens  full cache {mib(full)}; budget {budget:,} cells {mib(bounded)} "
-        f"({full / bounded:.0f}x smaller, {100 * (1 - bounded / full):.1f}% saved)",
+        f"KV per token   {info.kv_bytes_per_token():,} bytes (F16 K and V, all layers)",
+        f"at {context:,} positions, F16:",
     ]
+    baselines: list[tuple[str, int]] = []
     if info.n_layer_swa:
-        for swa_full, who in ((True, "llama-cpp-python's default"), (False, "llama-server, llama-cli")):
+        for swa_full, who in ((True, "llama-cpp-python's default"), (False, "llama.cpp's trimmed cache")):
             caches = info.caches(context, swa_full, n_ubatch)
             parts = " + ".join(f"{c.name} {mib(c.bytes)} ({c.cells:,} cells x {c.n_layer} layers)" for c in caches)
-            lines.append(f"KV swa_full={swa_full!s:<5} {mib(sum(c.bytes for c in caches))} = {parts} ({who})")
+            total = sum(c.bytes for c in caches)
+            tools = "llama-cpp-python's default" if swa_full else "llama-server, llama-cli"
+            lines.append(f"KV swa_full={swa_full!s:<5} {mib(total)} = {parts} ({tools})")
+            baselines.append((who, total))
+    else:
+        (cache,) = info.caches(context, swa_full=True, n_ubatch=n_ubatch)
+        lines.append(
+            f"KV full cache  {mib(cache.bytes)} ({cache.cells:,} cells x {cache.n_layer} layers; "
+            "llama-cpp-python and llama.cpp alike)"
+        )
+        baselines.append(("the full cache", cache.bytes))
+    if at is not None:
+        allocated = info.cache_layout().bytes(at.cells)
+        parts = f"full {at.cells[0]:,} cells" + (f" + sliding {at.cells[1]:,} cells" if at.cells[1] else "")
+        lines.append(
+            f"KV at budget   {at.budget:,} cells, {at.layer_budgets} layer budgets: {mib(allocated)} = {parts} "
+            f"(as generate and serve allocate it: a prompt chunk of {at.chunk} and a question's room on top)"
+        )
+        if at.budget >= context:
+            whole = f"{at.budget:,} cells hold all {context:,} positions"
+            lines.append(f"budget saves   nothing: {whole} (run without one)")
+        else:
+            lines.append("budget saves   " + ", ".join(saving(total, allocated, who) for who, total in baselines))
     return "\n".join(lines)

@@ -121,11 +121,37 @@ def test_generate_holds_the_budget_and_reports(fixture_model):
 
 
 def test_info_reports_the_savings(gemma_model):
+    """The saving of what a budget really allocates against both caches a user would otherwise run (known answer
+    from the header's shape): at 512 cells the natural groups allocate 641 cells in each cache (512, a chunk of 64,
+    the newest token, a question's room of 64) at 1,024 B per cell and layer (1 KV head x (256 + 256) x F16) over
+    18 layers; llama-cpp-python's default holds 32,768 cells in every layer, llama.cpp's tools trim the 15 sliding
+    layers to 1,024."""
     proc = ahakv("info", str(gemma_model), "--budget", "512")
     assert proc.returncode == 0, proc.stderr
     assert "KV per token   18,432 bytes" in proc.stdout
     assert "sliding window 512" in proc.stdout and "trained ctx    32,768 positions" in proc.stdout
-    assert "full cache 576.0 MiB; budget 512 cells 9.0 MiB (64x smaller" in proc.stdout
+    allocated, untrimmed, trimmed = 641 * 18 * 1024, 32768 * 18 * 1024, (32768 * 3 + 1024 * 15) * 1024
+    assert f"natural layer budgets: {allocated / 2**20:.1f} MiB = full 641 cells + sliding 641 cells" in proc.stdout
+    assert (
+        f"budget saves   {untrimmed / allocated:.0f}x less than llama-cpp-python's default "
+        f"({100 - 100 * allocated / untrimmed:.1f}% saved), {trimmed / allocated:.1f}x less than llama.cpp's trimmed "
+        f"cache ({100 - 100 * allocated / trimmed:.1f}% saved)"
+    ) in proc.stdout
+
+
+def test_info_without_a_sliding_window_has_one_baseline(fixture_model):
+    """One cache, the same in llama-cpp-python and llama.cpp (the fixture: 2 layers x 2 KV heads x (16 + 16) x F16
+    = 256 B per cell, 4,096 trained positions); a budget of 100 allocates 100 + 64 + 1 + 64 cells. A budget that
+    holds the whole context, or nearly (its chunk and a question's room on top), saves nothing, and says so."""
+    proc = ahakv("info", str(fixture_model), "--budget", "100")
+    assert proc.returncode == 0, proc.stderr
+    assert "KV full cache  1.0 MiB (4,096 cells x 2 layers; llama-cpp-python and llama.cpp alike)" in proc.stdout
+    allocated = 229 * 256
+    assert f"budget saves   {4096 * 256 / allocated:.0f}x less than the full cache" in proc.stdout
+    whole = ahakv("info", str(fixture_model), "--budget", "4096")
+    assert "budget saves   nothing: 4,096 cells hold all 4,096 positions" in whole.stdout
+    near = ahakv("info", str(fixture_model), "--budget", "4000")  # 4,129 cells allocated against 4,096
+    assert f"budget saves   no saving against the full cache ({4129 / 4096:.2f}x its bytes)" in near.stdout
 
 
 def test_info_states_what_generate_allocates(gemma_model):
