@@ -70,9 +70,9 @@ class ChatSession:
         n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         kv.config.pinned = (0, n)
 
-    def _prompt_tokens(self, messages: list[dict]) -> list[int]:
-        """The tokens the chat handler would decode for ``messages`` (the GGUF's own template)."""
-        return upstream.chat_prompt_tokens(self.llm, messages)
+    def _prompt_tokens(self, messages: list[dict], generation_prompt: bool = True) -> list[int]:
+        """The tokens the chat handler would decode for ``messages`` (the GGUF's own template, or a transcript)."""
+        return upstream.chat_prompt_tokens(self.llm, messages, generation_prompt)
 
     def answer(self, text: str, out, stop=lambda: False) -> str:
         """Stream the reply to ``text`` until it ends or ``stop()`` says so; what was said is kept.
@@ -180,7 +180,7 @@ class ChatSession:
             {"role": "assistant", "content": f"I have read {path.name}. What would you like to know?"},
         ]
         llm = self.llm
-        tokens = self._prompt_tokens(self.messages + added)
+        tokens = self._prompt_tokens(self.messages + added, generation_prompt=False)  # the next message extends it
         n = llm.n_tokens
         if n and list(llm.input_ids[:n]) != tokens[:n]:  # the cache does not hold this history: read it all
             llm.reset()

@@ -17,6 +17,9 @@ Without ``kv_budget`` it *is* llama_cpp.Llama (same code path, same errors). Wit
   ``kv_query=`` text of the call or else the prompt's last paragraph (its last 128 tokens at most);
   ``kv_query=False`` reads plainly, ``kv_query="reconstruct"`` question-agnostically (KVzip's repetition);
 - the token-keyed state cache (``set_cache``) is refused: it would hand back lossy states as exact.
+
+With or without a budget, a model whose GGUF has no chat template chats as a plain transcript ("User: ...",
+"Assistant: ..."), not llama-cpp-python's Llama 2 fallback (``upstream.transcript``; ``chat_format=`` still wins).
 """
 
 from __future__ import annotations
@@ -226,6 +229,7 @@ class Llama(llama_cpp.Llama):
         """llama_cpp.Llama's constructor, with the model on the RPC workers and the repacking asked for."""
         with upstream.model_params_hook(lambda p: rpc.configure(p, self._rpc_devices, self._repack_weights)):
             super().__init__(model_path, **kwargs)
+        upstream.use_transcript_without_template(self, kwargs)
 
     # -- what changes with a budget ---------------------------------------------------------------
 

@@ -25,7 +25,11 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "llama_cpp.llama_cpp": ("_lib",),
     "llama_cpp.llama": ("LlamaState",),
     "llama_cpp._ggml": ("libggml",),
-    "llama_cpp.llama_chat_format": ("Jinja2ChatFormatter",),
+    "llama_cpp.llama_chat_format": (
+        "Jinja2ChatFormatter",
+        "ChatFormatterResponse",
+        "chat_formatter_to_chat_completion_handler",
+    ),
 }
 LLAMA_ATTRIBUTES = (
     "_model", "_ctx", "_batch", "_stack", "tokenizer_", "context_params", "model_params",  # native handles
@@ -147,25 +151,69 @@ def make_state(input_ids, scores, n_tokens: int, llama_state: bytes, seed: int):
     )
 
 
-def chat_prompt_tokens(llm, messages: list[dict]) -> list[int]:
-    """The tokens ``create_chat_completion`` decodes for ``messages`` with the GGUF's own chat template
-    (llama-cpp-python's Jinja formatter), or the plain concatenation where the model has none."""
-    return chat_prompt(llm._model, messages)[0]
+def chat_prompt_tokens(llm, messages: list[dict], generation_prompt: bool = True) -> list[int]:
+    """The tokens ``create_chat_completion`` decodes for ``messages`` (``chat_prompt``)."""
+    return chat_prompt(llm._model, messages, generation_prompt)[0]
 
 
-def chat_prompt(model, messages: list[dict]) -> tuple[list[int], list[str]]:
+# Where a GGUF has no chat template (the embedded Gemma 3 270M, a base model, has none), llama-cpp-python falls back
+# to Llama 2's "[INST] <<SYS>>" format, whose markers that model echoes back, and Gemma's turn format makes it repeat
+# the question; as a base model it continues a plain transcript. So ahakv-local's Llama renders a template-less
+# model's chat as one (``use_transcript_without_template``), and ``chat_prompt`` renders it alike: chat's pinned
+# system prompt, its /read and the parallel server decode exactly what create_chat_completion does.
+TRANSCRIPT_ROLES = {"user": "User", "assistant": "Assistant"}
+TRANSCRIPT_STOP = ("\nUser:", "\nAssistant:")  # a base model goes on to write the next turns itself
+
+
+def transcript(messages: list[dict], generation_prompt: bool = True, **_):
+    """A chat as a transcript: the system prompt as the first paragraph, then "User: ..." and "Assistant: ..."
+    lines, ending in "Assistant:" for the model to continue (a reply's own leading space is kept as it came)."""
+    from llama_cpp.llama_chat_format import ChatFormatterResponse
+
+    lines = []
+    for m in messages:
+        content = m.get("content") or ""
+        if not isinstance(content, str):  # OpenAI's list of parts: the text ones
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        if m.get("role") == "system":
+            lines.append(f"{content}\n")
+            continue
+        role = TRANSCRIPT_ROLES.get(m.get("role", ""), str(m.get("role", "")).capitalize())
+        lines.append(f"{role}:{content}" if content[:1].isspace() else f"{role}: {content}")
+    if generation_prompt:
+        lines.append("Assistant:")
+    return ChatFormatterResponse(prompt="\n".join(lines), stop=list(TRANSCRIPT_STOP))
+
+
+def use_transcript_without_template(llm, kwargs: dict) -> None:
+    """After llama_cpp.Llama's constructor: a model without a chat template chats as a transcript, unless the
+    caller chose a chat format or handler."""
+    if "tokenizer.chat_template" in llm.metadata or kwargs.get("chat_format") or kwargs.get("chat_handler"):
+        return
+    from llama_cpp.llama_chat_format import chat_formatter_to_chat_completion_handler
+
+    llm.chat_format = "ahakv-transcript"
+    llm.chat_handler = chat_formatter_to_chat_completion_handler(transcript)
+
+
+def chat_prompt(model, messages: list[dict], generation_prompt: bool = True) -> tuple[list[int], list[str]]:
     """(the tokens, the stop strings) of ``messages`` for a llama-cpp-python model handle (``_internals``), as
-    ``create_chat_completion`` builds them: the GGUF's chat template, or the plain concatenation."""
+    ``create_chat_completion`` builds them: the GGUF's chat template, or the transcript where it has none.
+    Without ``generation_prompt``: the conversation as it stands (a document put into it ends with the
+    assistant's turn, which the next message's rendering extends)."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     template = model.metadata().get("tokenizer.chat_template")
-    if not template:
-        return model.tokenize("".join(m["content"] for m in messages).encode(), True, False), []
-    bos = model.token_get_text(model.token_bos())
-    eos = model.token_get_text(model.token_eos())
-    result = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)(messages=messages)
+    if template:
+        bos = model.token_get_text(model.token_bos())
+        eos = model.token_get_text(model.token_eos())
+        formatter = Jinja2ChatFormatter(template, eos, bos, add_generation_prompt=generation_prompt)
+        result = formatter(messages=messages)
+    else:
+        result = transcript(messages, generation_prompt)
     tokens = model.tokenize(result.prompt.encode(), not result.added_special, True)
-    return tokens, [s for s in result.stop if s]
+    stop = [result.stop] if isinstance(result.stop, str) else result.stop or []
+    return tokens, [s for s in stop if s]
 
 
 def set_position_bound(llm, n_positions: int) -> None:

@@ -33,8 +33,9 @@ def chat(tmp_path):
 def test_chat_session(chat, tmp_path):
     c = chat
     c.expect("> ")
-    c.sendline("Hello! Please tell me about the history of tea.")
-    c.expect("tea.\r\n")  # the echo of the line: the answer starts now
+    # an answer that runs its 200 tokens (the default model counts on; a question's answer may end within 2.5 s)
+    c.sendline("Please count from 1 to 200: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,")
+    c.expect("10,\r\n")  # the echo of the line: the answer starts now
     time.sleep(2.5)  # well inside its 200 tokens
     c.sendintr()  # the first Ctrl-C stops the answer, the chat goes on
     c.expect(r"\[answer stopped\]")

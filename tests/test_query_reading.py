@@ -252,10 +252,16 @@ def test_chat_reads_a_document_before_the_question(fixture_model, license_text, 
         assert reply.startswith("read license.txt:") and len(s.messages) == len(before) + 2
         # question-agnostic: one reconstruction pass per 64-token chunk, the repetition prompt plus the chunk
         assert len(passes) == -(-llm.n_tokens // 64) and max(passes) > 64
-        assert llm.n_tokens == len(s._prompt_tokens(s.messages)) and llm.kv_controller.live.size <= 128
+        assert (
+            llm.n_tokens == len(s._prompt_tokens(s.messages, generation_prompt=False))
+            and llm.kv_controller.live.size <= 128
+        )
         assert np.array_equal(llm.kv_engine.live_positions(), llm.kv_controller.live)
         n = llm.n_tokens
-        s.answer("Which version?", open(os.devnull, "w"))  # the next turn continues the compressed history
+        asked = s._prompt_tokens([*s.messages, {"role": "user", "content": "Which version?"}])
+        assert asked[:n] == list(llm.input_ids[:n])  # the question's rendering extends what was read
+        s.answer("Which version?", open(os.devnull, "w"))  # the next turn continues the compressed history:
+        assert llm.kv_stats().prompt_tokens == len(asked) - n  # only the question is decoded, nothing read again
         assert llm.kv_stats().tokens_seen > n and llm._kv_guide is None
 
 

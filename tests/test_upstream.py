@@ -32,3 +32,37 @@ def test_another_version_is_refused(monkeypatch):
     monkeypatch.setattr(llama_cpp, "__version__", "0.3.99")
     with pytest.raises(EngineNotPatched, match=r"llama-cpp-python 0\.3\.99 is installed, ahakv-local needs 0\.3\.36"):
         upstream.check_version()
+
+
+def test_transcript_renders_a_chat_for_a_model_without_a_template():
+    """Known answer: the system prompt as a paragraph, one line per turn, a reply's own leading space kept (so the
+    next turn's rendering extends what was decoded), OpenAI's list of parts read as its text."""
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": " Hello."},
+        {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
+    ]
+    result = upstream.transcript(messages)
+    assert result.prompt == "Be brief.\n\nUser: Hi there\nAssistant: Hello.\nUser: Name a colour.\nAssistant:"
+    assert result.stop == ["\nUser:", "\nAssistant:"]
+
+
+@pytest.mark.parametrize("budget", [None, 64])
+def test_a_chat_decodes_what_chat_prompt_renders(fixture_model, budget):
+    """chat's pinned system prompt, its /read and the parallel server render a conversation with
+    ``upstream.chat_prompt``: create_chat_completion must decode exactly those tokens (the fixture has no chat
+    template, like the embedded default: before, it decoded llama-cpp-python's Llama 2 fallback instead)."""
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": " Hello."},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    with Llama(str(fixture_model), n_ctx=256, n_batch=64, kv_budget=budget, verbose=False) as llm:
+        tokens, stop = upstream.chat_prompt(llm._model, messages)
+        assert tokens == llm.tokenize(upstream.transcript(messages).prompt.encode(), True, True)
+        llm.create_chat_completion(messages, max_tokens=1, temperature=0)
+        assert list(llm.input_ids[: len(tokens)]) == tokens and stop == ["\nUser:", "\nAssistant:"]
+    with Llama(str(fixture_model), n_ctx=256, chat_format="chatml", verbose=False) as llm:
+        assert llm.chat_format == "chatml" and llm.chat_handler is None  # the caller's choice wins
