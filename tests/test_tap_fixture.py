@@ -140,6 +140,32 @@ def test_tap_switched_off_and_on(fixture_model, ref, license_text):
             assert_verr(e, il, tr, slice(49, 50))
 
 
+@pytest.mark.parametrize(
+    "off, on",
+    [(TapFlag.VNORM, TapFlag.VNORM | TapFlag.ATTN), (TapFlag(0), TapFlag.ATTN), (TapFlag(0), ALL)],
+    ids=["vnorm-then-attn", "nothing-then-attn", "nothing-then-all"],
+)
+def test_switching_the_softmax_on_reads_every_layers_own(fixture_model, ref, license_text, off, on):
+    """A one-row ATTN tap adds no graph node: it marks each layer's softmax an output. Switching only ATTN on
+    used to allocate the new graph with the allocator's plan of the old one, where the layers' softmaxes share
+    memory, so every layer read the last one's (layer 0 returned layer 1's rows exactly; patch 0015).
+    Scissorhands and TOVA switch exactly so on each observed decode step. The buffers are reserved for ``on``
+    by the prompt first, so no reserve hides the switch."""
+    with make_engine(fixture_model) as e:
+        toks = tokens_of(e, license_text, 43)
+        e.set_tap(on, 1)
+        e.decode(toks[:40])
+        e.set_tap(off, 1)
+        e.decode([toks[40]])
+        e.decode([toks[41]])
+        e.set_tap(on, 1)
+        e.reset_stats()
+        e.decode([toks[42]])
+        _, traces = ref.forward(toks)
+        for il, tr in enumerate(traces):
+            assert_close(e.stat("attn", il).values, tr.p[:, 42, :], FORWARD_RTOL, f"attn layer {il}")
+
+
 @pytest.mark.parametrize("flash_attn", [False, True])
 def test_side_pass_scale(fixture_model, license_text, flash_attn):
     """softmax(s * logits) from the model's own Q and K (read through cb_eval); s is a graph input,
