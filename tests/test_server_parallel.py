@@ -196,9 +196,10 @@ def test_eight_concurrent_requests_answer_as_each_alone(fixture_model, license_t
     the answers of position-only eviction (streaming) are the ones alone.
     The other policies' answers are not compared here: beside other sequences' cells a sequence's statistics
     drift by float order (on this fixture's ~200-token prompts, 2e-4 relative in the attention and 5e-4 in the
-    reconstruction term after the first chunk, measured: its peaked attention amplifies the 1e-7 of one sum),
-    enough to flip an eviction between near-equal cells (AhaKV at 88 cells answered otherwise in 6 of 8 rounds
-    with a plain reading), which no answer can tell from a real difference. Their decisions are compared with
+    reconstruction term after the first chunk: its peaked attention amplifies the 1e-7 of one sum), enough to
+    flip an eviction between near-equal cells (`python benchmarks/parallel_drift.py`: beside two other requests,
+    AhaKV at 88 cells keeps other positions after its prompt and answers otherwise from the 8th token), which no
+    answer can tell from a real difference. Their decisions are compared with
     each sequence alone, statistic by statistic, in test_batched_steps_equal_each_sequence_alone (every policy,
     shorter prompts). Before patch 0015 Scissorhands differed in every round for a real reason: alone, its
     one-token decodes read every layer's attention from the last layer."""
