@@ -250,11 +250,13 @@ def describe(info: ModelInfo, context: int | None, n_ubatch: int = 512, at: Budg
     ]
     baselines: list[tuple[str, int]] = []
     if info.n_layer_swa:
-        for swa_full, who in ((True, "llama-cpp-python's default"), (False, "llama.cpp's trimmed cache")):
+        for swa_full, tools, who in (
+            (True, "llama-cpp-python's default", "llama-cpp-python's default"),
+            (False, "llama-server, llama-cli", "llama.cpp's trimmed cache"),
+        ):
             caches = info.caches(context, swa_full, n_ubatch)
             parts = " + ".join(f"{c.name} {mib(c.bytes)} ({c.cells:,} cells x {c.n_layer} layers)" for c in caches)
             total = sum(c.bytes for c in caches)
-            tools = "llama-cpp-python's default" if swa_full else "llama-server, llama-cli"
             lines.append(f"KV swa_full={swa_full!s:<5} {mib(total)} = {parts} ({tools})")
             baselines.append((who, total))
     else:

@@ -185,10 +185,15 @@ def transcript(messages: list[dict], generation_prompt: bool = True, **_):
     return ChatFormatterResponse(prompt="\n".join(lines), stop=list(TRANSCRIPT_STOP))
 
 
+def has_chat_template(metadata: dict) -> bool:
+    """Whether llama-cpp-python renders a chat with the GGUF's own template (its rule: the key is there)."""
+    return "tokenizer.chat_template" in metadata
+
+
 def use_transcript_without_template(llm, kwargs: dict) -> None:
     """After llama_cpp.Llama's constructor: a model without a chat template chats as a transcript, unless the
     caller chose a chat format or handler."""
-    if "tokenizer.chat_template" in llm.metadata or kwargs.get("chat_format") or kwargs.get("chat_handler"):
+    if has_chat_template(llm.metadata) or kwargs.get("chat_format") or kwargs.get("chat_handler"):
         return
     from llama_cpp.llama_chat_format import chat_formatter_to_chat_completion_handler
 
@@ -203,8 +208,9 @@ def chat_prompt(model, messages: list[dict], generation_prompt: bool = True) -> 
     assistant's turn, which the next message's rendering extends)."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    template = model.metadata().get("tokenizer.chat_template")
-    if template:
+    metadata = model.metadata()
+    if has_chat_template(metadata):
+        template = metadata["tokenizer.chat_template"]
         bos = model.token_get_text(model.token_bos())
         eos = model.token_get_text(model.token_eos())
         formatter = Jinja2ChatFormatter(template, eos, bos, add_generation_prompt=generation_prompt)
