@@ -10,7 +10,10 @@ that a test fails on an upgrade that renames one, instead of a user meeting an A
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
+import logging
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +24,7 @@ PINNED_VERSION = "0.3.36"
 # module -> private names used from it; "Llama." entries are attributes of an initialized instance
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "llama_cpp._internals": ("LlamaModel", "LlamaContext", "LlamaBatch"),
-    "llama_cpp._logger": ("set_verbose",),
+    "llama_cpp._logger": ("set_verbose", "logger"),
     "llama_cpp.llama_cpp": ("_lib",),
     "llama_cpp.llama": ("LlamaState",),
     "llama_cpp._ggml": ("libggml",),
@@ -94,7 +97,39 @@ def model_params_hook(adjust: Callable[[Any], None]) -> Iterator[None]:
 def set_verbose(verbose: bool) -> None:
     from llama_cpp import _logger
 
+    use_ggml_log_levels()
     _logger.set_verbose(verbose)
+
+
+# The vendored ggml numbers its log levels NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (ggml.h).
+# llama-cpp-python 0.3.36's callback still maps an older numbering (INFO 1, WARN 2, ERROR 3, DEBUG 4), so with
+# verbose=False every warning printed (each command's model probe said "using full-size SWA cache", which is
+# not what the command allocates) and every error was hidden. This callback maps them as ggml means them and
+# prints what llama-cpp-python's logger lets through (verbose: everything; otherwise errors), as upstream's does.
+GGML_LOG_LEVELS = {0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+GGML_LOG_CONT = 5  # a continuation of the previous message, at its level
+_last_log_level = logging.CRITICAL
+_log_callback = None  # the ctypes callback: llama.cpp keeps only its address, so this keeps it alive
+
+
+def _print_ggml_log(level: int, text: bytes, _user_data) -> None:
+    from llama_cpp import _logger
+
+    global _last_log_level
+    if level != GGML_LOG_CONT:
+        _last_log_level = GGML_LOG_LEVELS.get(level, logging.ERROR)
+    if _logger.logger.level <= _last_log_level:  # upstream's test: set_verbose sets the logger's level
+        print(text.decode("utf-8", errors="replace"), end="", flush=True, file=sys.stderr)
+
+
+def use_ggml_log_levels() -> None:
+    """Route llama.cpp's log through ``_print_ggml_log`` (once)."""
+    global _log_callback
+    if _log_callback is None:
+        import llama_cpp
+
+        _log_callback = llama_cpp.llama_log_callback(_print_ggml_log)
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
 
 
 def load_model(path: str, params, verbose: bool):

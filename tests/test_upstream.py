@@ -66,3 +66,34 @@ def test_a_chat_decodes_what_chat_prompt_renders(fixture_model, budget):
         assert list(llm.input_ids[: len(tokens)]) == tokens and stop == ["\nUser:", "\nAssistant:"]
     with Llama(str(fixture_model), n_ctx=256, chat_format="chatml", verbose=False) as llm:
         assert llm.chat_format == "chatml" and llm.chat_handler is None  # the caller's choice wins
+
+
+def test_llama_cpp_log_follows_ggmls_own_levels(capsys):
+    """The vendored ggml numbers its levels DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (ggml.h); llama-cpp-python
+    0.3.36 maps an older numbering and so printed warnings and hid errors when not verbose. Known answer: not
+    verbose, an error and its continuation print and nothing else; verbose, everything in order."""
+    from llama_cpp import _logger
+
+    level = _logger.logger.level
+    log = [(1, b"debug\n"), (2, b"info\n"), (3, b"warn "), (5, b"more warn\n"), (4, b"error "), (5, b"more error\n")]
+    try:
+        for verbose, printed in (
+            (False, "error more error\n"),
+            (True, "debug\ninfo\nwarn more warn\nerror more error\n"),
+        ):
+            upstream.set_verbose(verbose)
+            capsys.readouterr()
+            for lvl, text in log:
+                upstream._log_callback(lvl, text, None)
+            assert capsys.readouterr().err == printed
+    finally:
+        _logger.logger.setLevel(level)
+
+
+def test_a_quiet_model_says_nothing_on_stderr(gemma_model, capfd):
+    """The embedded model read under a budget, not verbose: llama.cpp's warnings (the model probe's full-size
+    sliding-window cache among them) stay quiet, and the Llama drop-in's own load too."""
+    capfd.readouterr()
+    with Llama(str(gemma_model), n_ctx=1024, kv_budget=512, verbose=False) as llm:
+        llm.create_completion("The GPL is", max_tokens=2)
+    assert capfd.readouterr().err == ""
