@@ -99,4 +99,5 @@ def lib() -> NativeLib:
     found = cdll.llama_ahakv_abi_version()
     if found != ABI_VERSION:
         raise EngineNotPatched(f"the engine has ahakv ABI {found}, this ahakv-local needs {ABI_VERSION}; {BUILD_HINT}")
+    upstream.use_ggml_log_levels()  # every command binds here first: its plain llama_cpp.Llama baselines too
     return NativeLib(cdll)
