@@ -97,7 +97,6 @@ def model_params_hook(adjust: Callable[[Any], None]) -> Iterator[None]:
 def set_verbose(verbose: bool) -> None:
     from llama_cpp import _logger
 
-    use_ggml_log_levels()
     _logger.set_verbose(verbose)
 
 
@@ -123,7 +122,8 @@ def _print_ggml_log(level: int, text: bytes, _user_data) -> None:
 
 
 def use_ggml_log_levels() -> None:
-    """Route llama.cpp's log through ``_print_ggml_log`` (once)."""
+    """Route llama.cpp's log through ``_print_ggml_log`` (once): from ``native.lib()``, which every command and
+    every Engine binds first, and from the Llama drop-in's load, which may come before it."""
     global _log_callback
     if _log_callback is None:
         import llama_cpp

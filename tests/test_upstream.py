@@ -74,6 +74,7 @@ def test_llama_cpp_log_follows_ggmls_own_levels(capsys):
     verbose, an error and its continuation print and nothing else; verbose, everything in order."""
     from llama_cpp import _logger
 
+    upstream.use_ggml_log_levels()
     level = _logger.logger.level
     log = [(1, b"debug\n"), (2, b"info\n"), (3, b"warn "), (5, b"more warn\n"), (4, b"error "), (5, b"more error\n")]
     try:
