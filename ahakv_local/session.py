@@ -225,8 +225,9 @@ def guide(
 @functools.lru_cache(maxsize=16)
 def model_layout(model: Path, kv_type: str = "f16") -> CacheLayout:
     """A model's cache layout with K and V of ``kv_type`` (``Engine.cache_layout``), measured on a small context of
-    its own."""
-    with Engine(model, EngineConfig(n_ctx=256, n_batch=64, n_ubatch=64, **kv_type_config(kv_type))) as e:
+    its own (the sliding cache trimmed, as the sessions it lays out have it: bytes per cell do not depend on it)."""
+    config = EngineConfig(n_ctx=256, n_batch=64, n_ubatch=64, swa_full=False, **kv_type_config(kv_type))
+    with Engine(model, config) as e:
         return e.cache_layout()
 
 
