@@ -3,6 +3,8 @@
 budget, each layout in its own process, rounds interleaved (layout order repeated), so that a drift of the
 machine's speed falls on every layout alike. ``adaptive-frozen`` is ``adaptive`` with its shares decided during
 the prompt and never again (no resize while decoding): what its cache sizes alone cost, apart from its decisions.
+``LAYOUT-moved`` is LAYOUT whose sequence moves once, after the prompt, to a new context of the same cache sizes
+(what every adaptive resize does): what the move alone costs the decode steps after it.
 
     AHAKV_THREADS=1 python benchmarks/decode_layouts.py --layouts natural,uniform,adaptive,adaptive-frozen --rounds 3
 """
@@ -25,10 +27,10 @@ from ahakv_local.session import SessionSpec, open_session
 
 def one(layout: str, args: argparse.Namespace) -> tuple[float, float]:
     """(median ms in llama_decode, median ms per controller step) of one layout's decode steps."""
-    frozen = layout.endswith("-frozen")
+    layout, _, variant = layout.partition("-")
     model = default_model_path()
     tokens = file_tokens(model, args.text, 2 * args.budget + args.steps)
-    spec = SessionSpec.bounded("ahakv", args.budget, layer_budgets=layout.removesuffix("-frozen"))
+    spec = SessionSpec.bounded("ahakv", args.budget, layer_budgets=layout)
     inside: list[float] = []
     run_batch = Engine._run_batch
 
@@ -42,8 +44,10 @@ def one(layout: str, args: argparse.Namespace) -> tuple[float, float]:
     with open_session(model, spec, len(tokens)) as session:
         ctl = session.controller
         ctl.prefill(tokens[: 2 * args.budget])
-        if frozen:
+        if variant == "frozen":
             ctl.shares.next_at = ctl.shares.every = sys.maxsize  # no decision after the prompt
+        if variant == "moved":  # the first step moves the sequence to a new context of the same sizes
+            ctl._resize_to = tuple(session.engine.cache_cells(c) for c in session.engine.caches)
         Engine._run_batch = timed
         try:
             for tok in tokens[2 * args.budget :]:
@@ -69,8 +73,9 @@ def main() -> None:
         return
     layouts = args.layouts.split(",")
     for name in layouts:
-        if name.removesuffix("-frozen") not in LAYER_BUDGETS or name.endswith("-frozen") and name != "adaptive-frozen":
-            ap.error(f"--layouts: {name!r} is not one of {', '.join(LAYER_BUDGETS)} or adaptive-frozen")
+        layout, _, variant = name.partition("-")
+        if layout not in LAYER_BUDGETS or variant not in ("", "moved") and name != "adaptive-frozen":
+            ap.error(f"--layouts: {name!r} is not one of {', '.join(LAYER_BUDGETS)}, LAYOUT-moved or adaptive-frozen")
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in layouts}
     for _ in range(args.rounds):
         for name in layouts:
