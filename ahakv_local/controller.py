@@ -588,7 +588,7 @@ class KVController:
         gone = sum(self._evict(g, None, measure=False) for g in self.groups)
         self.shares.applied({int(g.layers[0]): g.budget for g in self.groups})
         e = self.engine
-        if tuple(allocation.cache_cells) != tuple(e.cache_cells(c) for c in e.caches):
+        if tuple(allocation.cache_cells) != e.cache_sizes():
             self._resize_to = tuple(allocation.cache_cells)
         return gone
 

@@ -345,7 +345,7 @@ class Engine:
             self.config = dataclasses.replace(
                 self.config,
                 layer_groups=tuple(int(c) for c in self.layer_cache),
-                cache_cells=tuple(self.cache_cells(c) for c in self.caches),
+                cache_cells=self.cache_sizes(),
             )
         return self
 
@@ -499,6 +499,10 @@ class Engine:
     def cache_cells(self, cache: Cache) -> int:
         """Cells of one cache (0 if the context has none)."""
         return self.n_cells(self.layer_cache.index(cache)) if cache in self.layer_cache else 0
+
+    def cache_sizes(self) -> tuple[int, ...]:
+        """Cells of each cache, in the order of ``caches`` (what ``resize_caches`` takes)."""
+        return tuple(self.cache_cells(c) for c in self.caches)
 
     def cache_sliding(self, cache: Cache) -> bool:
         """Whether the layers of ``cache`` use the sliding window."""

@@ -47,7 +47,7 @@ def one(layout: str, args: argparse.Namespace) -> tuple[float, float]:
         if variant == "frozen":
             ctl.shares.next_at = ctl.shares.every = sys.maxsize  # no decision after the prompt
         if variant == "moved":  # the first step moves the sequence to a new context of the same sizes
-            ctl._resize_to = tuple(session.engine.cache_cells(c) for c in session.engine.caches)
+            ctl._resize_to = session.engine.cache_sizes()
         Engine._run_batch = timed
         try:
             for tok in tokens[2 * args.budget :]:
