@@ -95,8 +95,7 @@ def one(layout: str, args: argparse.Namespace) -> tuple[float, float] | dict:
                 steps.append(time.perf_counter() - t0)
         finally:
             Engine._run_batch, Engine.__init__ = run_batch, init
-        e = session.engine
-        cells = [e.cache_cells(e.layer_cache[il]) for il in range(len(e.layer_cache))]
+        cells = [session.engine.cache_cells(c) for c in session.engine.layer_cache]  # by layer
     if timer:
         return {"cells": cells, "ms": {k: 1000 * v / args.steps for k, v in timer.seconds.items()}}
     return 1000 * float(np.median(inside)), 1000 * float(np.median(steps))
