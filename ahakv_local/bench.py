@@ -124,43 +124,49 @@ def _interleave(runs: dict[str, Callable[[], tuple]], rounds: int, progress) -> 
     return times
 
 
+@dataclass(frozen=True)
+class SpeedSetup:
+    """One side-by-side speed comparison: each policy in each layout at ``budget`` live cells against the plain
+    baselines (``speed_at_budget`` through ``generate``, ``engine_speed_at_budget`` one layer down)."""
+
+    budget: int  # live cells
+    policies: tuple[str, ...]
+    layer_budgets: tuple[str, ...] = ("shared",)
+    decode_tokens: int = 64
+    rounds: int = 5  # interleaved; medians are reported
+    batch: int = BATCH
+    evict_every: int | None = None  # None: the budget's default
+    observe_steps: int | None = 1
+    n_gpu_layers: int = 0
+
+
 def speed_at_budget(
-    model: Path,
-    tokens: list[int],
-    budget: int,
-    policies: list[str],
-    decode_tokens: int = 64,
-    rounds: int = 5,
-    batch: int = BATCH,
-    evict_every: int | None = None,
-    observe_steps: int | None = 1,
-    n_gpu_layers: int = 0,
-    layer_budgets: tuple[str, ...] = ("shared",),
-    progress: Callable[[str], None] = lambda _: None,
+    model: Path, tokens: list[int], setup: SpeedSetup, progress: Callable[[str], None] = lambda _: None
 ) -> list[SpeedRow]:
-    """Prompt and decode tokens/s of plain llama-cpp-python and of each policy at ``budget`` live cells (in
-    each of ``layer_budgets``' layouts), through ``Llama.generate`` (greedy), as an app sees them."""
-    evict_every, plain_prompt = _plan(tokens, budget, evict_every, decode_tokens)
+    """Prompt and decode tokens/s of plain llama-cpp-python and of each policy at ``setup.budget`` live cells (in
+    each of its layouts), through ``Llama.generate`` (greedy), as an app sees them."""
+    budget, batch, decode_tokens, n_gpu_layers = setup.budget, setup.batch, setup.decode_tokens, setup.n_gpu_layers
+    evict_every, plain_prompt = _plan(tokens, budget, setup.evict_every, decode_tokens)
     models: dict[str, tuple[llama_cpp.Llama, list[int], Callable[[], int]]] = {}
     for label, swa_full in BASELINES.items():
         n_ctx = budget + evict_every + decode_tokens + batch
         kw = dict(n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, swa_full=swa_full)
         plain = llama_cpp.Llama(**_quiet(model, n_gpu_layers, **kw))
         models[label] = (plain, tokens[:plain_prompt], lambda plain=plain: plain.n_tokens)
-    for label, (name, layout) in _policy_rows(policies, layer_budgets).items():
+    for label, (name, layout) in _policy_rows(setup.policies, setup.layer_budgets).items():
         llm = Llama(
             **_quiet(model, n_gpu_layers, n_batch=batch, n_ubatch=batch),
             kv_budget=budget,
             kv_policy=name,
             kv_evict_every=evict_every,
-            kv_observe_steps=observe_steps,
+            kv_observe_steps=setup.observe_steps,
             kv_layer_budgets=layout,
         )
         models[label] = (llm, tokens[: 2 * budget], lambda llm=llm: llm.kv_controller.live.size)
     try:
         times = _interleave(
             {name: (lambda m=m: _timed_generate(m[0], m[1], decode_tokens, m[2])) for name, m in models.items()},
-            rounds,
+            setup.rounds,
             progress,
         )
         kv_bytes = {name: Engine.attach(m[0]).kv_bytes() for name, m in models.items()}
@@ -171,18 +177,7 @@ def speed_at_budget(
 
 
 def engine_speed_at_budget(
-    model: Path,
-    tokens: list[int],
-    budget: int,
-    policies: list[str],
-    decode_tokens: int = 64,
-    rounds: int = 5,
-    batch: int = BATCH,
-    evict_every: int | None = None,
-    observe_steps: int | None = 1,
-    n_gpu_layers: int = 0,
-    layer_budgets: tuple[str, ...] = ("shared",),
-    progress: Callable[[str], None] = lambda _: None,
+    model: Path, tokens: list[int], setup: SpeedSetup, progress: Callable[[str], None] = lambda _: None
 ) -> list[SpeedRow]:
     """The same comparison one layer down: ``llama_decode`` of the text's next tokens on an Engine with
     the tap off against ``KVController.step``, no sampling, no llama-cpp-python bookkeeping. The
@@ -191,7 +186,8 @@ def engine_speed_at_budget(
     from .engine import EngineConfig
     from .session import SessionSpec, open_session
 
-    evict_every, plain_prompt = _plan(tokens, budget, evict_every, decode_tokens)
+    budget, batch, decode_tokens, n_gpu_layers = setup.budget, setup.batch, setup.decode_tokens, setup.n_gpu_layers
+    evict_every, plain_prompt = _plan(tokens, budget, setup.evict_every, decode_tokens)
     n_ctx = budget + evict_every + decode_tokens + batch
     cfg = EngineConfig(n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, n_gpu_layers=n_gpu_layers)
     engines = {label: Engine(model, replace(cfg, swa_full=swa_full)) for label, swa_full in BASELINES.items()}
@@ -199,10 +195,10 @@ def engine_speed_at_budget(
     # a chunk and the newest token, not padded to 256), so evicted cells scattered over the buffer cost what they
     # cost the product and no more
     sessions = {}
-    rows = _policy_rows(policies, layer_budgets)
+    rows = _policy_rows(setup.policies, setup.layer_budgets)
     for label, (name, layout) in rows.items():
         spec = SessionSpec.bounded(
-            name, budget, evict_every=evict_every, observe_steps=observe_steps, layer_budgets=layout
+            name, budget, evict_every=evict_every, observe_steps=setup.observe_steps, layer_budgets=layout
         )
         sessions[label] = open_session(model, spec, 2 * budget + decode_tokens, batch, n_gpu_layers=n_gpu_layers)
         engines[label] = sessions[label].engine
@@ -234,7 +230,7 @@ def engine_speed_at_budget(
     runs = {label: (lambda b=label: plain_run(b)) for label in BASELINES}
     runs |= {label: (lambda n=label: policy_run(n)) for label in rows}
     try:
-        times = _interleave(runs, rounds, progress)
+        times = _interleave(runs, setup.rounds, progress)
         prompts = {name: plain_prompt if name in BASELINES else 2 * budget for name in runs}
         kv_bytes = {name: e.kv_bytes() for name, e in engines.items()}
         return _rows(times, prompts, kv_bytes, budget, decode_tokens)

@@ -6,6 +6,7 @@ results.md and PNG plots under --out, and shows a progress bar on stderr.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -411,7 +412,7 @@ def bench_speed(
     """Decode and prompt tokens/s: plain llama-cpp-python (swa_full, its default), plain llama.cpp with the
     sliding-window cache trimmed (swa_full off, as llama-server) and each policy at the same live cells; a long
     run to the trained context, full cache vs budget; KV memory of each, also at --memory-context tokens."""
-    from .bench import BATCH, engine_speed_at_budget, long_run, memory_at, speed_at_budget
+    from .bench import BATCH, SpeedSetup, engine_speed_at_budget, long_run, memory_at, speed_at_budget
     from .budget import Budget, parse_schedule
     from .evaluation import text_tokens
     from .info import read_info
@@ -427,26 +428,28 @@ def bench_speed(
     evict_every, observe = parse_schedule(evict_every, observe_steps)
     if len(ids) < 2 * budget + decode_tokens:
         raise AhakvError(f"the text has {len(ids)} tokens; budget {budget} needs {2 * budget + decode_tokens}")
-    kw = dict(
+    setup = SpeedSetup(
+        budget,
+        tuple(names),
+        layouts,
         decode_tokens=decode_tokens,
         rounds=rounds,
         evict_every=evict_every,
         observe_steps=observe,
         n_gpu_layers=n_gpu_layers,
-        layer_budgets=layouts,
     )
     runs = rounds * (len(names) * len(layouts) + 2)
     with _bar("bench speed (generate)", runs) as bar:
         bar.unit = "run"
-        app = speed_at_budget(path, ids, budget, names, progress=lambda _: bar.update(1), **kw)
+        app = speed_at_budget(path, ids, setup, progress=lambda _: bar.update(1))
     with _bar("bench speed (engine)", runs) as bar:
         bar.unit = "run"
-        core = engine_speed_at_budget(path, ids, budget, names, progress=lambda _: bar.update(1), **kw)
+        core = engine_speed_at_budget(path, ids, setup, progress=lambda _: bar.update(1))
     trained = read_info(path).n_ctx_train
     memory_context = memory_context or trained
     for rows in (app, core):
         memory_at(path, rows, memory_context, BATCH)  # the runs' n_ubatch
-    kw["memory_context"] = memory_context
+    settings = dataclasses.asdict(setup) | {"memory_context": memory_context}
     checkpoints = sorted({min(int(c), trained - decode_tokens - 1) for c in long_context.split(",") if c.strip()})
     checkpoints = [c for c in checkpoints if c + 16 <= len(ids)]
     long_rows = []
@@ -470,5 +473,5 @@ def bench_speed(
         )
         for bar in bars.values():
             bar.close()
-    for line in write_speed_report(Path(out_dir), app, core, long_rows, path, files, kw):
+    for line in write_speed_report(Path(out_dir), app, core, long_rows, path, files, settings):
         click.echo(line)

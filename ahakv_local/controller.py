@@ -589,8 +589,12 @@ class KVController:
         self.shares.applied({int(g.layers[0]): g.budget for g in self.groups})
         e = self.engine
         if tuple(allocation.cache_cells) != e.cache_sizes():
-            self._resize_to = tuple(allocation.cache_cells)
+            self.schedule_resize(tuple(allocation.cache_cells))
         return gone
+
+    def schedule_resize(self, cells: tuple[int, ...]) -> None:
+        """Move the sequence to caches of ``cells`` (in the engine's cache order) just before the next decode."""
+        self._resize_to = cells
 
     def _resize(self) -> None:
         """Give the caches the sizes the last adaptive decision chose, just before the next decode: the last

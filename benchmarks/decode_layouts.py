@@ -84,7 +84,7 @@ def one(layout: str, args: argparse.Namespace) -> tuple[float, float] | dict:
         if variant == "frozen":
             ctl.shares.next_at = ctl.shares.every = sys.maxsize  # no decision after the prompt
         if variant == "moved":  # the first step moves the sequence to a new context of the same sizes
-            ctl._resize_to = session.engine.cache_sizes()
+            ctl.schedule_resize(session.engine.cache_sizes())
         Engine._run_batch = timed
         if timer:
             timer.on = True
