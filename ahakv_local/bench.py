@@ -92,17 +92,6 @@ def _timed_generate(llm: llama_cpp.Llama, prompt: list[int], n: int, live: Calla
     return t1 - t0, t2 - t1, float(np.mean(cells))
 
 
-def _plan(tokens: list[int], budget: int, evict_every: int | None, decode_tokens: int) -> tuple[int, int]:
-    """(eviction period, plain prompt length) of a side-by-side run. A policy run reads 2x the budget,
-    then holds budget - evict_every + 1 .. budget cells while it generates; the plain run grows from its
-    prompt by the tokens it generates: start it so the means match."""
-    if len(tokens) < 2 * budget + decode_tokens:
-        need = 2 * budget + decode_tokens
-        raise ValueError(f"need {need} tokens of text for budget {budget}, have {len(tokens)}")
-    evict_every = evict_every or default_evict_every(Budget.parse(budget))
-    return evict_every, max(1, round(budget - (evict_every - 1) / 2 - decode_tokens / 2))
-
-
 def _policy_rows(policies: list[str], layer_budgets: tuple[str, ...]) -> dict[str, tuple[str, str]]:
     """{row label: (policy, layer budgets)}: each policy in each layout, labelled by the policy alone in the
     shared pool (the product's default) and "<policy> <layout>" otherwise."""
@@ -139,6 +128,20 @@ class SpeedSetup:
     observe_steps: int | None = 1
     n_gpu_layers: int = 0
 
+    @property
+    def tokens_needed(self) -> int:
+        """Text tokens a run reads: 2x the budget (so the cache is full and evicting), then the decoded ones."""
+        return 2 * self.budget + self.decode_tokens
+
+    def plan(self, tokens: list[int]) -> tuple[int, int]:
+        """(eviction period, plain prompt length). A policy run reads 2x the budget, then holds budget -
+        evict_every + 1 .. budget cells while it generates; the plain run grows from its prompt by the tokens it
+        generates: start it so the means match."""
+        if len(tokens) < self.tokens_needed:
+            raise ValueError(f"need {self.tokens_needed} tokens of text for budget {self.budget}, have {len(tokens)}")
+        evict_every = self.evict_every or default_evict_every(Budget.parse(self.budget))
+        return evict_every, max(1, round(self.budget - (evict_every - 1) / 2 - self.decode_tokens / 2))
+
 
 def speed_at_budget(
     model: Path, tokens: list[int], setup: SpeedSetup, progress: Callable[[str], None] = lambda _: None
@@ -146,7 +149,7 @@ def speed_at_budget(
     """Prompt and decode tokens/s of plain llama-cpp-python and of each policy at ``setup.budget`` live cells (in
     each of its layouts), through ``Llama.generate`` (greedy), as an app sees them."""
     budget, batch, decode_tokens, n_gpu_layers = setup.budget, setup.batch, setup.decode_tokens, setup.n_gpu_layers
-    evict_every, plain_prompt = _plan(tokens, budget, setup.evict_every, decode_tokens)
+    evict_every, plain_prompt = setup.plan(tokens)
     models: dict[str, tuple[llama_cpp.Llama, list[int], Callable[[], int]]] = {}
     for label, swa_full in BASELINES.items():
         n_ctx = budget + evict_every + decode_tokens + batch
@@ -187,7 +190,7 @@ def engine_speed_at_budget(
     from .session import SessionSpec, open_session
 
     budget, batch, decode_tokens, n_gpu_layers = setup.budget, setup.batch, setup.decode_tokens, setup.n_gpu_layers
-    evict_every, plain_prompt = _plan(tokens, budget, setup.evict_every, decode_tokens)
+    evict_every, plain_prompt = setup.plan(tokens)
     n_ctx = budget + evict_every + decode_tokens + batch
     cfg = EngineConfig(n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, n_gpu_layers=n_gpu_layers)
     engines = {label: Engine(model, replace(cfg, swa_full=swa_full)) for label, swa_full in BASELINES.items()}

@@ -426,8 +426,6 @@ def bench_speed(
     files = list(text_files) or sorted(str(p) for p in LICENSES.iterdir() if not p.is_symlink())
     ids = text_tokens(path, "\n".join(_read(f) for f in files))
     evict_every, observe = parse_schedule(evict_every, observe_steps)
-    if len(ids) < 2 * budget + decode_tokens:
-        raise AhakvError(f"the text has {len(ids)} tokens; budget {budget} needs {2 * budget + decode_tokens}")
     setup = SpeedSetup(
         budget,
         tuple(names),
@@ -438,6 +436,8 @@ def bench_speed(
         observe_steps=observe,
         n_gpu_layers=n_gpu_layers,
     )
+    if len(ids) < setup.tokens_needed:
+        raise AhakvError(f"the text has {len(ids)} tokens; budget {budget} needs {setup.tokens_needed}")
     runs = rounds * (len(names) * len(layouts) + 2)
     with _bar("bench speed (generate)", runs) as bar:
         bar.unit = "run"
