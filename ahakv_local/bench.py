@@ -94,7 +94,7 @@ def _timed_generate(llm: llama_cpp.Llama, prompt: list[int], n: int, live: Calla
 
 def _policy_rows(policies: list[str], layer_budgets: tuple[str, ...]) -> dict[str, tuple[str, str]]:
     """{row label: (policy, layer budgets)}: each policy in each layout, labelled by the policy alone in the
-    shared pool (the product's default) and "<policy> <layout>" otherwise."""
+    shared pool (the measuring commands' default) and "<policy> <layout>" otherwise."""
     return {
         name if layout == "shared" else f"{name} {layout}": (name, layout)
         for name in policies

@@ -344,6 +344,13 @@ def spread(weights: list[float], low: float, high: float) -> list[float]:
     return w
 
 
+def check_layer_kinds(layer_budgets: str, sliding: Sequence[bool]) -> None:
+    """Refuse, in one line, a per-layer layout on a model whose layers (``sliding``: by layer, whether it reads
+    the sliding-window cache) are not of both kinds: each kind's holdings are laid out around its own mean."""
+    if layer_budgets in PER_LAYER and (all(sliding) or not any(sliding)):
+        raise AhakvError(f"--layer-budgets {layer_budgets} needs a model with sliding-window and full-attention layers")
+
+
 def _per_layer(
     budget: Budget,
     layout: CacheLayout,
@@ -363,8 +370,7 @@ def _per_layer(
     newest token + ``room`` (a cell or byte budget: the bytes stay those of ``natural``, less where a sliding
     layer's share is capped at its window or a holding is rounded down)."""
     sliding = layout.sliding
-    if layout.sliding_bytes <= 0 or not layout.window or all(sliding) or not any(sliding):
-        raise AhakvError(f"--layer-budgets {layer_budgets} needs a model with sliding-window and full-attention layers")
+    check_layer_kinds(layer_budgets, sliding if layout.sliding_bytes > 0 and layout.window else ())
     natural = allocate(budget, layout, "natural", chunk, longest, room, every, sliding_share, keep)
     window = layout.window + every - 1
     layers_of = {kind: [il for il, s in enumerate(sliding) if s == kind] for kind in (False, True)}

@@ -278,12 +278,19 @@ def eval_needle(
 @click.option("--filler", "filler_files", multiple=True, help="Filler text (default: GPL-3, then other licenses).")
 @click.option("--sinks", default=4, show_default=True)
 @click.option("--recent", default=32, show_default=True)
+@click.option(
+    "--layer-budgets",
+    default="shared",
+    show_default=True,
+    help="Comma-separated layouts each configuration runs in (shared, natural, uniform, pyramid, adaptive); a "
+    'configuration is "<policy>@<compression>[+<reading>] <layout>" outside the shared pool.',
+)
 @click.option("--out", "out_dir", default="longdoc-out", show_default=True, help="Folder for the outputs.")
 @rpc_option
 @threads_option
 def eval_longdoc(
-    model, tasks, lengths, depths, compressions, policies, reading, trials, seed, filler_files, sinks, recent, out_dir,
-    rpc, threads,
+    model, tasks, lengths, depths, compressions, policies, reading, trials, seed, filler_files, sinks, recent,
+    layer_budgets, out_dir, rpc, threads,
 ) -> None:  # fmt: skip
     """Long documents (RULER-style, generated locally): retrieval, multi-key, multi-value, variable tracking
     and a fact, per policy, compression and reading mode, beside the full cache."""
@@ -313,16 +320,21 @@ def eval_longdoc(
     if any(int(n / c) < floor for n in lens for c in factors):
         raise AhakvError(f"a length / compression is smaller than sinks + recent + newest ({floor} cells)")
     names = _policies(policies)
+    layouts = _layer_budgets(layer_budgets)
+    from .budget import check_layer_kinds
     from .info import read_info
 
     path = _model(model)
-    trained = read_info(path).n_ctx_train
+    info = read_info(path)
+    trained = info.n_ctx_train
+    for name in layouts:  # before the full cache's runs, not after them
+        check_layer_kinds(name, [il < info.n_layer_swa for il in range(info.n_layer)])
     answer = max(ANSWER_TOKENS[t] for t in task_list)
     if trained and max(lens) + answer > trained:
         raise AhakvError(f"length {max(lens)} (+{answer} answer tokens) is past the model's trained context {trained}")
     files = [str(f) for f in filler_files] or [str(p) for p in default_filler_files()]
     texts = [_read(f) for f in files]
-    rule = specs_rule(names, factors, readings, n_sink=sinks, n_recent=recent)
+    rule = specs_rule(names, factors, readings, layouts, n_sink=sinks, n_recent=recent)
     n_items = len(task_list) * len(deps) * trials
     with _bar("eval longdoc", sum(len(rule(n)) for n in lens) * n_items) as bar:
         bar.unit = "trial"
@@ -343,8 +355,8 @@ def eval_longdoc(
         except ValueError as exc:
             raise AhakvError(str(exc)) from None
     settings = dict(tasks=task_list, lengths=lens, depths=deps, compressions=factors, readings=readings,
-                    trials=trials, seed=seed, sinks=sinks, recent=recent, filler_files=files,
-                    threads=threads)  # fmt: skip
+                    trials=trials, seed=seed, sinks=sinks, recent=recent, layer_budgets=layouts,
+                    filler_files=files, threads=threads)  # fmt: skip
     filler = files[0] + (f" (then {len(files) - 1} more texts as a length needs)" if len(files) > 1 else "")
     for line in write_longdoc_report(Path(out_dir), results, path, filler, settings):
         click.echo(line)

@@ -102,6 +102,7 @@ class LongdocTrial:
     solved: bool
     peak_cells: int
     prompt_seconds: float
+    layer_budgets: str = "shared"  # how the budget was laid out on the layers (SessionSpec.layer_budgets)
 
 
 # -- scoring ---------------------------------------------------------------------------------------
@@ -268,26 +269,38 @@ def parse_compressions(text: str) -> list[float]:
     return out
 
 
-def label_of(policy: str, compression: float, reading: str) -> str:
-    """'ahakv@8x', 'ahakv@8x+query': the same for every length (the cells differ)."""
-    return f"{policy}@{compression:g}x" + ("" if reading == "plain" else f"+{reading}")
+def label_of(policy: str, compression: float, reading: str, layer_budgets: str = "shared") -> str:
+    """'ahakv@8x', 'ahakv@8x+query', 'ahakv@8x+query adaptive': the same for every length (the cells differ);
+    the layout is named outside the shared pool, as ``bench speed``'s rows."""
+    label = f"{policy}@{compression:g}x" + ("" if reading == "plain" else f"+{reading}")
+    return label if layer_budgets == "shared" else f"{label} {layer_budgets}"
 
 
 def specs_rule(
-    policies: Sequence[str], compressions: Sequence[float], readings: Sequence[str] = ("plain",), **schedule
+    policies: Sequence[str],
+    compressions: Sequence[float],
+    readings: Sequence[str] = ("plain",),
+    layouts: Sequence[str] = ("shared",),
+    **schedule,
 ) -> Callable[[int], list[SessionSpec]]:
-    """length -> [the full cache, then every policy x compression x reading at length / compression cells].
+    """length -> [the full cache, then every policy x compression x reading x layout at length / compression
+    cells (a cell budget is what a full-attention layer holds, so no layout allocates more bytes than the shared
+    pool: the sliding-window layers of the others hold at most their window)].
     A policy that cannot be guided by a question reads plainly whatever the mode, so it runs once."""
     from .policies import make_policy
 
     def rule(length: int) -> list[SessionSpec]:
         specs = [SessionSpec()]
         for c in compressions:
+            cells = max(1, int(length / c))
             for p in policies:
                 modes = readings if make_policy(p).reads_with_query else ["plain"]
                 for r in dict.fromkeys(modes):
-                    cells = max(1, int(length / c))
-                    specs.append(SessionSpec.bounded(p, cells, label=label_of(p, c, r), reading=r, **schedule))
+                    for layout in layouts:
+                        label = label_of(p, c, r, layout)
+                        specs.append(
+                            SessionSpec.bounded(p, cells, label=label, reading=r, layer_budgets=layout, **schedule)
+                        )
         return specs
 
     return rule
@@ -342,6 +355,7 @@ def run_longdoc(
                         LongdocTrial(
                             spec.label, spec.policy, spec.budget, spec.reading, item.task, length, item.depth,
                             trial, ",".join(item.expected), answer, score, score == 1.0, peak, seconds,
+                            spec.layer_budgets,
                         )
                     )  # fmt: skip
                     done += 1
@@ -375,6 +389,7 @@ def accuracy_table(trials: Sequence[LongdocTrial]) -> list[str]:
     for t in trials:
         read_s.setdefault(t.label, []).append(t.prompt_seconds)
     read = {label: float(np.mean(v)) for label, v in read_s.items()}
+    reading = {t.label: t.reading for t in trials}
     lines = [
         "| configuration | " + " | ".join(f"{task} {n}" for task, n in columns) + " | average | read s | x plain |",
         "|---|" + "---:|" * (len(columns) + 3),
@@ -383,7 +398,8 @@ def accuracy_table(trials: Sequence[LongdocTrial]) -> list[str]:
         row = [means.get((label, task, n)) for task, n in columns]
         have = [v for v in row if v is not None]
         cells = ["" if v is None else f"{v:.0%}" for v in row]
-        plain = read.get(label.split("+")[0]) if "+" in label else None
+        # the same policy, compression and layout read plainly (label_of without "+<reading>")
+        plain = read.get(label.replace(f"+{reading[label]}", "")) if reading[label] != "plain" else None
         ratio = f"{read[label] / plain:.2f}" if plain else ""
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {np.mean(have):.0%} | {read[label]:.2f} | {ratio} |")
     return lines

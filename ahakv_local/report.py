@@ -101,13 +101,14 @@ def write_longdoc_report(
         f"# long documents: {model.name}, filler {filler}",
         "",
         f"Mean score per configuration, task and prompt length ({n} item(s) each: depths x trials); "
-        "a configuration is <policy>@<compression> (cells = length / compression) [+<reading>].",
+        "a configuration is <policy>@<compression> (cells = length / compression) [+<reading>] "
+        "[<layer budgets>, outside the shared pool].",
         "",
         *longdoc_table(trials),
     ]
     fields = [
         "label", "policy", "budget", "reading", "task", "length", "depth", "trial", "expected", "answer", "score",
-        "solved", "peak_cells", "prompt_seconds",
+        "solved", "peak_cells", "prompt_seconds", "layer_budgets",
     ]  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     plot_longdoc(trials, out / "accuracy.png", f"{model.name}: long documents, mean score")

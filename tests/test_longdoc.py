@@ -12,6 +12,7 @@ import pytest
 
 from ahakv_local.budget import NO_EVICTION, Budget
 from ahakv_local.engine import Engine, EngineConfig
+from ahakv_local.fixture import FixtureSpec
 from ahakv_local.longdoc import (
     INTROS,
     TASKS,
@@ -25,6 +26,7 @@ from ahakv_local.longdoc import (
     score_answer,
     specs_rule,
 )
+from ahakv_local.models import fixture_path
 from ahakv_local.session import SessionSpec
 
 
@@ -149,24 +151,35 @@ def test_compressions_and_the_configurations_per_length():
     assert [s.reading for s in specs] == ["plain", "plain", "plain", "query", "plain", "plain", "query"]
     assert {s.n_recent for s in specs[1:]} == {16}
     assert [str(s.budget) for s in rule(1000)[1:3]] == ["250 cells", "250 cells"]
+    # each configuration in each layout, named outside the shared pool; the cells are the layout's full layers'
+    laid = specs_rule(["ahakv"], [8], ["query"], ["shared", "adaptive"])(2048)
+    assert [(s.label, s.layer_budgets, str(s.budget)) for s in laid] == [
+        ("full", "shared", "full cache"),
+        ("ahakv@8x+query", "shared", "256 cells"),
+        ("ahakv@8x+query adaptive", "adaptive", "256 cells"),
+    ]
 
 
 def test_the_table_puts_the_full_cache_first_and_averages():
     def trial(label, task, length, score, seconds=1.0):
+        reading = label.split("+")[1].split(" ")[0] if "+" in label else "plain"
         return LongdocTrial(
-            label, label, NO_EVICTION, "plain", task, length, 0.5, 0, "1", "", score, score == 1, 1, seconds
+            label, label, NO_EVICTION, reading, task, length, 0.5, 0, "1", "", score, score == 1, 1, seconds
         )
 
     rows = [
         trial("h2o@4x", "single", 100, 0.0, 2.0), trial("full", "single", 100, 1.0), trial("full", "single", 100, 0.0),
         trial("full", "fact", 200, 1.0, 4.0), trial("h2o@4x", "fact", 200, 1.0, 2.0),
         trial("h2o@4x+query", "fact", 200, 1.0, 2.5), trial("h2o@4x+query", "single", 100, 1.0, 3.5),
+        trial("h2o@4x adaptive", "single", 100, 1.0, 4.0), trial("h2o@4x+query adaptive", "single", 100, 1.0, 5.0),
     ]  # fmt: skip
     lines = accuracy_table(rows)
     assert lines[0] == "| configuration | single 100 | single 200 | fact 100 | fact 200 | average | read s | x plain |"
     assert lines[2] == "| full | 50% |  |  | 100% | 75% | 2.00 |  |"
     assert lines[3] == "| h2o@4x | 0% |  |  | 100% | 50% | 2.00 |  |"
     assert lines[4] == "| h2o@4x+query | 100% |  |  | 100% | 100% | 3.00 | 1.50 |"  # (2.5 + 3.5) / 2 / 2.0
+    # a guided reading is timed against the same layout's plain one
+    assert lines[6] == "| h2o@4x+query adaptive | 100% |  |  |  | 100% | 5.00 | 1.25 |"
 
 
 def longdoc(*args: str) -> subprocess.CompletedProcess:
@@ -208,6 +221,30 @@ def test_eval_longdoc_command_writes_every_output(fixture_model, tmp_path):
     assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_eval_longdoc_runs_each_configuration_in_each_layout(tmp_path):
+    # layer 0 slides (window 24) on this fixture; the others alternate, so both kinds have layers of their own
+    model = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
+    out = tmp_path / "laid"
+    proc = longdoc(
+        str(model), "--lengths", "300", "--tasks", "single", "--depths", "0.5", "--compressions", "4",
+        "--policies", "ahakv", "--reading", "query", "--recent", "8", "--layer-budgets", "shared,natural,adaptive",
+        "-t", "1", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((out / "results.json").read_text())
+    assert data["config"]["layer_budgets"] == ["shared", "natural", "adaptive"]
+    rows = [(r["label"], r["layer_budgets"], r["reading"], r["budget"]) for r in data["results"]]
+    assert rows == [
+        ("full", "shared", "plain", "full cache"),
+        ("ahakv@4x+query", "shared", "query", "75 cells"),
+        ("ahakv@4x+query natural", "natural", "query", "75 cells"),
+        ("ahakv@4x+query adaptive", "adaptive", "query", "75 cells"),
+    ]
+    # every layout holds the budget plus at most one prompt chunk (64 tokens)
+    assert all(r["peak_cells"] <= 75 + 64 for r in data["results"][1:])
+    assert "| ahakv@4x+query adaptive |" in (out / "results.md").read_text()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -218,6 +255,8 @@ def test_eval_longdoc_command_writes_every_output(fixture_model, tmp_path):
         (["--reading", "skim"], "--reading takes"),
         (["--depths", "1.5"], "between 0 and 1"),
         (["--compressions", "16"], "smaller than sinks + recent"),
+        (["--layer-budgets", "flat"], "layer budgets must be shared, natural"),
+        (["--layer-budgets", "shared,adaptive"], "needs a model with sliding-window and full-attention layers"),
     ],
 )
 def test_eval_longdoc_refuses_bad_input_in_one_line(fixture_model, tmp_path, args, message):
