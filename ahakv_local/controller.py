@@ -287,6 +287,8 @@ class KVController:
                 seen = np.concatenate([g.live, np.arange(start, e.n_past, dtype=np.int64)])
                 obs = self._observation(g, seen, flags, g.budget.target(start) or g.live.size)
                 scores.append(g.policy.query_score(obs)[: g.live.size])
+            if len(self.groups) > 2:  # one group per layer: the layers of a kind rank the question's positions alike
+                scores = pooled_by_kind(self.groups, scores)
         finally:
             e.truncate(start)  # the query's cells go; llama.cpp needs the next token at seq_pos_max + 1
             e.reset_stats()
@@ -684,6 +686,26 @@ class KVController:
         errors = g.policy.predicted_error(obs, order[:k_max])
         k = int(np.searchsorted(errors, b.error_tol, side="right"))  # errors grow with k
         return max(k_min, min(k, k_max))
+
+
+def pooled_by_kind(groups: Sequence[LayerGroup], scores: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Each group's question score replaced, at each of its positions, by the mean of the scores (each scaled to
+    mean 1) of every group of its kind (sliding-window or full-attention) that holds the position. A question is
+    read through all the layers at once: where each layer kept what its own heads attend to, the full-attention
+    layers of Gemma 3 270M kept different positions and the model missed pass keys the shared pool finds
+    (benchmarks/RESULTS.md, "Query-aware reading in each layout")."""
+    out = list(scores)
+    for sliding in (False, True):
+        members = [i for i, g in enumerate(groups) if bool(g.window) == sliding]
+        if len(members) < 2:
+            continue
+        positions = np.concatenate([groups[i].live for i in members])
+        values = np.concatenate([unit_mean(np.asarray(scores[i], dtype=np.float64)) for i in members])
+        unique, inverse = np.unique(positions, return_inverse=True)
+        mean = np.bincount(inverse, values) / np.bincount(inverse)
+        for i in members:
+            out[i] = mean[np.searchsorted(unique, groups[i].live)]
+    return out
 
 
 def step_batch(controllers: Sequence[KVController], tokens: Sequence[int]) -> np.ndarray:

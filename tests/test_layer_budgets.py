@@ -349,6 +349,63 @@ def test_query_aware_reading_per_group(gemma3_fixture, license_text, reading):
         assert e.n_past == len(prompt)
 
 
+def test_pooled_by_kind_is_the_mean_of_each_kinds_unit_scores():
+    """A known answer, by position, against a loop over the groups: the full-attention groups (window 0) share one
+    mean, the sliding ones another, each group's scores scaled to mean 1 first; a lone group keeps its own."""
+    from types import SimpleNamespace
+
+    from ahakv_local.controller import pooled_by_kind
+
+    lives = [[0, 1, 2, 5], [0, 2, 5, 7], [1, 2, 3], [6, 7], [8, 9, 10]]
+    windows = [0, 0, 0, 4, 0]
+    groups = [SimpleNamespace(live=np.array(p, dtype=np.int64), window=w) for p, w in zip(lives, windows, strict=True)]
+    scores = [np.array(v, dtype=np.float64) for v in ([1, 2, 3, 6], [4, 4, 4, 4], [3, 0, 3], [1, 3], [2, 4, 6])]
+    pooled = pooled_by_kind(groups, scores)
+    unit = [s / s.mean() for s in scores]
+    for i, g in enumerate(groups):
+        kind = [j for j in range(len(groups)) if (windows[j] > 0) == (windows[i] > 0)]
+        if len(kind) == 1:
+            continue
+        for k, pos in enumerate(g.live):
+            held = [unit[j][list(lives[j]).index(pos)] for j in kind if pos in lives[j]]
+            assert pooled[i][k] == pytest.approx(np.mean(held), rel=1e-12)
+    np.testing.assert_array_equal(pooled[3], scores[3])  # the only sliding group: untouched
+    assert pooled[4] == pytest.approx([0.5, 1.0, 1.5], rel=1e-12)  # no position shared: its own, scaled
+
+
+@pytest.mark.parametrize("layer_budgets", ["uniform", "adaptive"])
+def test_a_per_layer_question_is_scored_alike_by_the_layers_of_a_kind(six_layers, license_text, layer_budgets):
+    """One cache per layer: every layer of a kind gives a position held by several of them the same question
+    score, the question's cells are gone from every cache and each layer holds its budget."""
+    spec = SessionSpec.bounded("ahakv", 48, n_recent=8, reading="query", layer_budgets=layer_budgets)
+    with open_session(six_layers, spec, longest=400, n_ubatch=CHUNK) as s:
+        c, e = s.controller, s.engine
+        prompt, question = e.tokenize(license_text)[:240], e.tokenize(" Which license?", add_bos=False)
+        passes = []
+        real = c.read_query
+
+        def read_query(q):
+            scores = real(q)
+            passes.append([(g.live.copy(), bool(g.window), sc) for g, sc in zip(c.groups, scores, strict=True)])
+            return scores
+
+        c.read_query = read_query
+        s.read(prompt, question)
+        assert passes and all(len(p) == 6 for p in passes)  # one score array per layer
+        for groups in passes:
+            for sliding in (False, True):
+                by_position: dict[int, set[float]] = {}
+                for live, slides, sc in groups:
+                    if slides == sliding:
+                        for pos, v in zip(live, sc, strict=True):
+                            by_position.setdefault(int(pos), set()).add(float(v))
+                assert by_position and all(len(v) == 1 for v in by_position.values())
+        for g in c.groups:
+            np.testing.assert_array_equal(g.live, g.read_live(e))
+            assert e.n_used(g.map_layer) == g.live.size <= g.budget.target(e.n_past) + CHUNK
+        assert e.n_past == len(prompt)
+
+
 def test_info_bytes_per_group(gemma3_fixture, license_text):
     spec = SessionSpec.bounded("snapkv", "12KiB", n_recent=8, layer_budgets="natural")
     with open_session(gemma3_fixture, spec, longest=400, n_ubatch=CHUNK) as s:
