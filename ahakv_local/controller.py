@@ -576,7 +576,11 @@ class KVController:
             return 0
         scores = query_scores if query_scores is not None else [None] * len(self.groups)
         gone = sum(self._evict(g, q, alone) for g, q in zip(self.groups, scores, strict=True))
-        if self.shares is not None and self.shares.due(self.engine.n_past):
+        # adaptive: not while a question (or a reconstruction) guides the reading. The layers of a kind then rank
+        # positions alike (pooled_by_kind) and keep the same ones only if they hold as many: re-split every 256
+        # positions, Gemma 3 270M missed pass keys at 8K-16K that the even split finds, and a narrower range of
+        # shares found them too (benchmarks/RESULTS.md, "Query-aware reading in each layout")
+        if self.shares is not None and not self._guided and self.shares.due(self.engine.n_past):
             gone += self._adapt()
         return gone
 

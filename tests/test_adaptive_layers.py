@@ -276,6 +276,30 @@ def test_an_adaptive_session_resizes_as_it_reads(six_layers, license_text, monke
             assert max(held) <= (1 + ADAPTIVE_RANGE) / (1 - ADAPTIVE_RANGE) * min(held) + 1
 
 
+def test_a_guided_reading_keeps_the_shares_and_decoding_adapts_after_it(six_layers, license_text, monkeypatch):
+    """While a question guides the reading the layers keep their even split (no decision, no resize: the layers of
+    a kind rank the question's positions alike and keep the same ones only if they hold as many); once the prompt
+    is read, decoding decides as usual, from the fill measured during the read."""
+    monkeypatch.setattr(adaptive, "ADAPT_EVERY", 48)
+    spec = SessionSpec.bounded("ahakv", "40KiB", n_recent=8, evict_every=4, layer_budgets="adaptive", reading="query")
+    with open_session(six_layers, spec, longest=400, n_ubatch=CHUNK) as s:
+        c, e = s.controller, s.engine
+        first = [e.cache_cells(k) for k in e.caches]
+        toks, question = e.tokenize(license_text)[:260], e.tokenize(" Which license?", add_bos=False)
+        guided = []
+        real = c.read_query
+        c.read_query = lambda q: guided.append(len(q)) or real(q)
+        s.read(toks[:200], question)
+        assert guided, "the question never guided the reading"
+        assert c.shares.decisions == 0 and [e.cache_cells(k) for k in e.caches] == first
+        assert len({g.budget.value for g in c.groups if not e.layer_sliding[g.layers[0]]}) == 1  # even
+        for t in toks[200:]:
+            c.step(t)
+        assert c.shares.decisions >= 1
+        for g in c.groups:
+            np.testing.assert_array_equal(g.live, g.read_live(e))
+
+
 def test_the_drop_in_resizes_its_own_context(six_layers, license_text, monkeypatch):
     """The drop-in's context belongs to llama_cpp.Llama: a resize hands it the new one, and generation goes on
     through upstream's own calls (sampling reads the new context's logits)."""
