@@ -344,10 +344,10 @@ def spread(weights: list[float], low: float, high: float) -> list[float]:
     return w
 
 
-def check_layer_kinds(layer_budgets: str, sliding: Sequence[bool]) -> None:
-    """Refuse, in one line, a per-layer layout on a model whose layers (``sliding``: by layer, whether it reads
-    the sliding-window cache) are not of both kinds: each kind's holdings are laid out around its own mean."""
-    if layer_budgets in PER_LAYER and (all(sliding) or not any(sliding)):
+def check_layer_kinds(layer_budgets: str, n_sliding: int, n_layer: int) -> None:
+    """Refuse, in one line, a per-layer layout on a model whose ``n_layer`` layers are not of both kinds (``n_sliding``
+    of them read the sliding-window cache): each kind's holdings are laid out around its own mean."""
+    if layer_budgets in PER_LAYER and not 0 < n_sliding < n_layer:
         raise AhakvError(f"--layer-budgets {layer_budgets} needs a model with sliding-window and full-attention layers")
 
 
@@ -370,7 +370,7 @@ def _per_layer(
     newest token + ``room`` (a cell or byte budget: the bytes stay those of ``natural``, less where a sliding
     layer's share is capped at its window or a holding is rounded down)."""
     sliding = layout.sliding
-    check_layer_kinds(layer_budgets, sliding if layout.sliding_bytes > 0 and layout.window else ())
+    check_layer_kinds(layer_budgets, sum(sliding) if layout.sliding_bytes > 0 and layout.window else 0, len(sliding))
     natural = allocate(budget, layout, "natural", chunk, longest, room, every, sliding_share, keep)
     window = layout.window + every - 1
     layers_of = {kind: [il for il, s in enumerate(sliding) if s == kind] for kind in (False, True)}

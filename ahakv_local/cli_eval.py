@@ -328,7 +328,7 @@ def eval_longdoc(
     info = read_info(path)
     trained = info.n_ctx_train
     for name in layouts:  # before the full cache's runs, not after them
-        check_layer_kinds(name, [il < info.n_layer_swa for il in range(info.n_layer)])
+        check_layer_kinds(name, info.n_layer_swa, info.n_layer)
     answer = max(ANSWER_TOKENS[t] for t in task_list)
     if trained and max(lens) + answer > trained:
         raise AhakvError(f"length {max(lens)} (+{answer} answer tokens) is past the model's trained context {trained}")

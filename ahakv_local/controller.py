@@ -287,8 +287,7 @@ class KVController:
                 seen = np.concatenate([g.live, np.arange(start, e.n_past, dtype=np.int64)])
                 obs = self._observation(g, seen, flags, g.budget.target(start) or g.live.size)
                 scores.append(g.policy.query_score(obs)[: g.live.size])
-            if len(self.groups) > 2:  # one group per layer: the layers of a kind rank the question's positions alike
-                scores = pooled_by_kind(self.groups, scores)
+            scores = pooled_by_kind(self.groups, scores)  # one group per layer: a kind's layers rank alike
         finally:
             e.truncate(start)  # the query's cells go; llama.cpp needs the next token at seq_pos_max + 1
             e.reset_stats()
@@ -694,7 +693,8 @@ class KVController:
 
 def pooled_by_kind(groups: Sequence[LayerGroup], scores: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Each group's question score replaced, at each of its positions, by the mean of the scores (each scaled to
-    mean 1) of every group of its kind (sliding-window or full-attention) that holds the position. A question is
+    mean 1) of every group of its kind (sliding-window or full-attention) that holds the position; a kind of one
+    group (the shared pool, natural) keeps its scores as they are. A question is
     read through all the layers at once: where each layer kept what its own heads attend to, the full-attention
     layers of Gemma 3 270M kept different positions and the model missed pass keys the shared pool finds
     (benchmarks/RESULTS.md, "Query-aware reading in each layout")."""

@@ -361,6 +361,7 @@ def test_pooled_by_kind_is_the_mean_of_each_kinds_unit_scores():
     groups = [SimpleNamespace(live=np.array(p, dtype=np.int64), window=w) for p, w in zip(lives, windows, strict=True)]
     scores = [np.array(v, dtype=np.float64) for v in ([1, 2, 3, 6], [4, 4, 4, 4], [3, 0, 3], [1, 3], [2, 4, 6])]
     pooled = pooled_by_kind(groups, scores)
+    # float64 means of at most three terms of small integers over their mean: equal to rounding (~1e-16)
     unit = [s / s.mean() for s in scores]
     for i, g in enumerate(groups):
         kind = [j for j in range(len(groups)) if (windows[j] > 0) == (windows[i] > 0)]
