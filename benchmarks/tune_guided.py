@@ -18,6 +18,7 @@ import time
 
 from common import license_texts  # benchmarks/ is the script's directory: sys.path[0]
 
+from ahakv_local import budget
 from ahakv_local.longdoc import run_longdoc
 from ahakv_local.models import default_model_path
 from ahakv_local.session import SessionSpec
@@ -40,9 +41,14 @@ def main() -> None:
     ap.add_argument("--layer-budgets", default="shared", help="shared, natural, uniform, pyramid or adaptive")
     ap.add_argument("--sinks", type=int, default=4, help="first positions never evicted (SessionSpec.n_sink)")
     ap.add_argument(
+        "--adaptive-range", type=float, default=None, help="adaptive: budget.ADAPTIVE_RANGE for this run (an ablation)"
+    )
+    ap.add_argument(
         "--report-filler", action="store_true", help="eval longdoc's filler (the reports' text): to ablate, not to tune"
     )
     args = ap.parse_args()
+    if args.adaptive_range is not None:  # read by budget.allocate at every decision
+        budget.ADAPTIVE_RANGE = args.adaptive_range
     variants = json.loads(args.variants)
     factors = [float(c) for c in args.compressions.split(",")]
     texts = license_texts(args.texts)
