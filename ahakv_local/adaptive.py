@@ -95,6 +95,8 @@ class LayerShares:
                     self.weights[il] = b.value / mean
 
     def restart(self, n_seen: int) -> None:
-        """A new sequence: forget the fill measured on the old one (the shares stay: the caches hold them)."""
+        """A new sequence: forget the fill and the shares measured on the old one (its caches are resized to even
+        shares before the next decode: ``KVController.truncate``)."""
+        self.weights[:] = 1.0
         self.fill[:] = np.nan
         self.next_at = n_seen + self.every

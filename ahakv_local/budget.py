@@ -143,10 +143,16 @@ LayerBudgets = Literal["shared", "natural", "uniform", "pyramid", "adaptive"]
 LAYER_BUDGETS: tuple[str, ...] = get_args(LayerBudgets)
 PER_LAYER: tuple[str, ...] = ("uniform", "pyramid", "adaptive")  # one cache per layer (EngineConfig.layer_groups)
 # the product's layout (chat, generate, serve, the drop-in; not the measuring commands, whose SessionSpec default is
-# the shared pool): on Gemma 3 270M at 1,024 cells generate and serve allocate 13.2 MiB of KV instead of 20.3
-# (`ahakv-local info --budget 1024 --layer-budgets natural|shared`), at a lower perplexity and KL (RESULTS.md,
-# "The default layout")
-DEFAULT_LAYER_BUDGETS: LayerBudgets = "natural"
+# the shared pool) on a model with sliding-window and full-attention layers: at 1,024 cells on Gemma 3 270M, 4,096
+# tokens, adaptive and natural allocate 11.9 MiB (the shared pool 19.1) and adaptive is lower in perplexity and KL on
+# LGPL-2.1 and GPL-3 (RESULTS.md, "The default layout"). On any other model `natural`, which there is the shared pool
+DEFAULT_LAYER_BUDGETS: LayerBudgets = "adaptive"
+
+
+def default_layer_budgets(n_sliding: int, n_layer: int) -> LayerBudgets:
+    """The product's layout on a model whose ``n_layer`` layers include ``n_sliding`` sliding-window ones:
+    ``DEFAULT_LAYER_BUDGETS`` where it has layers of both kinds (what a per-layer layout needs), else ``natural``."""
+    return DEFAULT_LAYER_BUDGETS if 0 < n_sliding < n_layer else "natural"
 
 
 def check_layer_budgets(name: str) -> str:
@@ -193,6 +199,12 @@ class Allocation:
     def group_slides(self, i: int) -> bool:
         return self.sliding[i] if self.sliding else i == 1
 
+    def layer_cells(self, layer_sliding: Sequence[bool]) -> tuple[int, ...]:
+        """The cells of the cache each layer reads (``layer_sliding``: by layer, whether it slides)."""
+        if self.layer_groups is not None:
+            return tuple(self.cache_cells[g] for g in self.layer_groups)
+        return tuple(self.cache_cells[int(s)] for s in layer_sliding)
+
 
 def allocate(
     budget: Budget,
@@ -231,8 +243,9 @@ def allocate(
     check_layer_budgets(layer_budgets)
     if layer_budgets in PER_LAYER:
         return _per_layer(
-            budget, layout, layer_budgets, chunk, longest, room, every, sliding_share, keep, layer_weights
-        )
+            budget, layout, layer_budgets, chunk, longest, room, every, sliding_share, keep, layer_weights,
+            sliding_cells,
+        )  # fmt: skip
     two = layout.sliding_bytes > 0
     natural = two and layout.window > 0 and layer_budgets == "natural"
     extra = chunk + 1 + room  # what cells_for adds to the cells a group holds
@@ -362,6 +375,7 @@ def _per_layer(
     sliding_share: float | None,
     keep: int,
     layer_weights: Sequence[float] | None = None,
+    sliding_cells: int = 0,
 ) -> Allocation:
     """One cache per layer (``uniform``, ``pyramid``, ``adaptive``): the ``natural`` layout's holdings of each kind,
     every layer of the kind holding the same (uniform; adaptive until it has measured the layers), a share
@@ -371,7 +385,9 @@ def _per_layer(
     layer's share is capped at its window or a holding is rounded down)."""
     sliding = layout.sliding
     check_layer_kinds(layer_budgets, sum(sliding) if layout.sliding_bytes > 0 and layout.window else 0, len(sliding))
-    natural = allocate(budget, layout, "natural", chunk, longest, room, every, sliding_share, keep)
+    natural = allocate(
+        budget, layout, "natural", chunk, longest, room, every, sliding_share, keep, sliding_cells=sliding_cells
+    )
     window = layout.window + every - 1
     layers_of = {kind: [il for il, s in enumerate(sliding) if s == kind] for kind in (False, True)}
     held: dict[int, Budget] = {}
@@ -393,8 +409,12 @@ def _per_layer(
         if mean.mode == "cells" and mean.value >= floor:  # below it, check_floor refuses as for natural
             low, high = max(low, floor / mean.value), min(high, max(most, floor) / mean.value)
         weights = spread(weights, low, high)
-        for il, w in zip(layers, weights, strict=True):
-            held[il] = _scaled(mean, w, window if kind else None)
+        if mean.mode == "cells":  # whole cells, as many as the shares add up to (a cell budget's mean is kept)
+            top = min(high * mean.value, window if kind else math.inf)
+            cells = whole_cells([min(mean.value * w, top) for w in weights], top)
+            held |= {il: Budget("cells", max(1, n)) for il, n in zip(layers, cells, strict=True)}
+        else:
+            held |= {il: _scaled(mean, w, window if kind else None) for il, w in zip(layers, weights, strict=True)}
     groups = per_layer_groups(sliding)
     order = sorted(range(len(sliding)), key=lambda il: groups[il])  # the layer of each cache, by cache
     budgets = tuple(held[il] for il in order)
@@ -406,11 +426,20 @@ def _per_layer(
 
 
 def _scaled(mean: Budget, weight: float, cap: int | None) -> Budget:
-    """``mean`` times ``weight`` (a cell or ratio holding; at most ``cap`` cells); auto and none as they are."""
-    if mean.mode == "cells":
-        n = max(1, math.floor(mean.value * weight + 1e-9))  # rounded down: a byte budget is never exceeded
-        return Budget("cells", n if cap is None else min(n, cap))
+    """``mean`` times ``weight`` (a ratio holding; at most ``cap`` cells); auto and none as they are."""
     if mean.mode == "ratio":
         caps = [c for c in (mean.cap, cap) if c is not None]
         return Budget("ratio", min(mean.value * weight, 1.0), cap=min(caps) if caps else None)
     return mean
+
+
+def whole_cells(values: Sequence[float], most: float = math.inf) -> list[int]:
+    """``values`` rounded to whole cells that add up to their sum rounded down (largest remainders round up, none
+    above ``most``): a byte budget is never exceeded, and a kind of layers holding a cell budget on average holds
+    exactly that where no share is at ``most``."""
+    cells = [math.floor(v + 1e-9) for v in values]
+    short = math.floor(sum(values) + 1e-9) - sum(cells)
+    up = [i for i in range(len(values)) if cells[i] + 1 <= most + 1e-9]
+    for i in sorted(up, key=lambda i: cells[i] - values[i])[:short]:  # the largest remainder first
+        cells[i] += 1
+    return cells

@@ -105,12 +105,12 @@ def engine_options(f):
             type=click.Choice(LAYER_BUDGETS),
             default=None,
             envvar="AHAKV_LAYER_BUDGETS",
-            help=f"How the budget is laid out on the layers [default: {DEFAULT_LAYER_BUDGETS}; serve --parallel: "
-            "shared]: shared, one pool for every layer; natural, one group per "
-            "KV cache (sliding-window models: the sliding layers keep their window, the full-attention layers the "
-            "rest); uniform, pyramid and adaptive, one KV cache per layer, each layer keeping its own tokens (pyramid: "
-            "lower layers keep more, as PyramidKV; adaptive: layers whose attention spreads wider keep more, "
-            "re-decided every 256 tokens).",
+            help=f"How the budget is laid out on the layers [default: {DEFAULT_LAYER_BUDGETS} on a model with "
+            "sliding-window and full-attention layers, else natural; serve --parallel: shared]: shared, one pool for "
+            "every layer; natural, one group per KV cache (sliding-window models: the sliding layers keep their "
+            "window, the full-attention layers the rest); uniform, pyramid and adaptive, one KV cache per layer, each "
+            "layer keeping its own tokens (pyramid: lower layers keep more, as PyramidKV; adaptive: layers whose "
+            "attention spreads wider keep more, re-decided every 256 tokens).",
         ),
         click.option("--policy", cls=PolicyOption, default="ahakv", show_default=True, envvar="AHAKV_POLICY"),
         click.option(
@@ -245,7 +245,7 @@ def load_llama(
             kv_evict_every=evict_every,
             kv_observe_steps=observe_steps,
             kv_query={"query": True, "plain": False}.get(reading, reading),
-            kv_layer_budgets=layer_budgets or DEFAULT_LAYER_BUDGETS,
+            kv_layer_budgets=layer_budgets,  # None: the product's layout for the model (budget.default_layer_budgets)
             rpc_servers=rpc,
             **extra,
         )
@@ -339,10 +339,9 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
 )
 @click.option(
     "--layer-budgets",
-    type=click.Choice(["shared", "natural"]),  # the per-layer layouts' holdings follow the text
-    default=DEFAULT_LAYER_BUDGETS,
-    show_default=True,
-    help="The layout whose allocation at --budget to state.",
+    type=click.Choice(LAYER_BUDGETS),
+    default=None,
+    help="The layout whose allocation at --budget to state [default: generate's for the model].",
 )
 def info(model, budget, ctx_size, ubatch_size, layer_budgets) -> None:
     """Architecture, heads, sliding window, trained context and KV bytes of MODEL, per KV cache for
@@ -356,11 +355,13 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets) -> None:
         raise AhakvError("--ctx-size must be at least 1")
     model_info = read_info(resolve_model(model, progress=True))
     # what generate and serve allocate for that budget: their chunks, a question's room
+    from .budget import default_layer_budgets
     from .session import SessionSpec
 
+    layer_budgets = layer_budgets or default_layer_budgets(model_info.n_layer_swa, model_info.n_layer)
     spec = SessionSpec.bounded("ahakv", budget, layer_budgets=layer_budgets, reading="query")
-    cells = spec.allocation(model_info.cache_layout(), BUDGETED_BATCH, ctx_size or model_info.n_ctx_train).cache_cells
-    at = BudgetAllocation(budget, layer_budgets, cells, BUDGETED_BATCH)
+    allocation = spec.allocation(model_info.cache_layout(), BUDGETED_BATCH, ctx_size or model_info.n_ctx_train)
+    at = BudgetAllocation(budget, layer_budgets, allocation.layer_cells(model_info.layer_sliding), BUDGETED_BATCH)
     click.echo(describe(model_info, ctx_size, ubatch_size, at))
 
 

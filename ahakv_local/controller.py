@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .adaptive import LayerShares
-from .budget import Allocation, Budget, LayerBudgets, allocate, cells_for
-from .engine import Engine, LayerCache, decode_batch
+from .budget import PER_LAYER, Allocation, Budget, LayerBudgets, allocate, cells_for
+from .engine import Engine, decode_batch
 from .errors import AhakvError
 from .groups import LayerGroup, make_groups
 from .native import TapFlag
@@ -93,12 +93,12 @@ class ControllerConfig:
 
 @dataclass
 class ControllerStats:
+    # cells_used, budget and evicted count the first group, or the mean of the full-attention layers of a per-layer
+    # layout (``KVController._count``); each group's own are ``LayerGroup.live``, ``decided`` and ``evicted``
     cells_used: int = 0
     budget: int | None = None  # the current target in cells (auto: the last decision)
     tokens_seen: int = 0
-    # positions the first group evicted (the one ``cells_used`` counts: tokens_seen = cells_used + evicted until a
-    # rewind); each group's own count is ``LayerGroup.evicted``
-    evicted: int = 0
+    evicted: int = 0  # positions evicted (tokens_seen = cells_used + evicted until a rewind)
     evictions: int = 0  # native eviction calls
     guide_tokens: int = 0  # tokens decoded to guide a reading (questions, repetitions), then removed
     retained_mass: list[float] = field(default_factory=list)  # per layer, at the last eviction
@@ -121,7 +121,8 @@ class KVController:
             self.shares = LayerShares(engine.layer_sliding)
         self.check_budget(config.budget, policy)
         self.groups: list[LayerGroup] = make_groups(engine, policy, self.allocation(config.budget))
-        self.stats = ControllerStats(cells_used=self.live.size, tokens_seen=engine.n_past)
+        self.stats = ControllerStats(tokens_seen=engine.n_past)
+        self._count()
         self.step_count = 0
         self._tap: tuple[TapFlag, int] | None = None
         self._pending = 0  # decode steps whose attention the tap has summed but nobody has read yet
@@ -134,6 +135,35 @@ class KVController:
     def live(self) -> np.ndarray:
         """The live positions of the first group: the full-attention layers' (shared: every layer's)."""
         return self.groups[0].live
+
+    @property
+    def counted(self) -> list[LayerGroup]:
+        """The groups the statistics count: the first; in a per-layer layout every full-attention layer's, whose
+        mean they report (each layer holds its own share of the budget: one layer's count would read as the budget
+        broken where a layer holds more than the mean, or as half of it where it holds less)."""
+        full = [g for g in self.groups if not g.window] if self.config.layer_budgets in PER_LAYER else []
+        return full or self.groups[:1]
+
+    def allocated_cells(self) -> int:
+        """The cells of the cache a counted group evicts from (their mean): what the budget is held in."""
+        e = self.engine
+        return _mean([e.n_cells(g.map_layer) for g in self.counted])
+
+    def restart_stats(self) -> None:
+        """Count from zero (a server's sequence slot between requests): the statistics and each group's evictions."""
+        for g in self.groups:
+            g.evicted = 0
+        self.stats = ControllerStats(tokens_seen=self.engine.n_past)
+        self._count()
+
+    def _count(self) -> None:
+        """The statistics' cells used, budget and evictions, over the counted groups."""
+        counted = self.counted
+        self.stats.cells_used = _mean([g.live.size for g in counted])
+        self.stats.evicted = _mean([g.evicted for g in counted])
+        decided = [g.decided for g in counted if g.decided is not None]
+        if decided:
+            self.stats.budget = _mean(decided)
 
     @property
     def policy(self) -> Policy:
@@ -170,8 +200,12 @@ class KVController:
             self.config.sliding_share,
             self.config.n_sink + self.config.n_recent,
             layer_weights,
-            e.cache_cells(LayerCache.SLIDING),
+            min((n for c, n in zip(e.caches, self._sizes(), strict=True) if e.cache_sliding(c)), default=0),
         )
+
+    def _sizes(self) -> tuple[int, ...]:
+        """The cells of each cache as the next decode will have them (an adaptive decision may be pending)."""
+        return self._resize_to or self.engine.cache_sizes()
 
     # -- decoding ------------------------------------------------------------------------------------
 
@@ -379,7 +413,7 @@ class KVController:
 
     def set_budget(self, budget: Budget) -> int:
         """Check, apply and enforce a new budget now; returns how many positions were evicted (as
-        ``ControllerStats.evicted`` counts them: the first group's)."""
+        ``ControllerStats.evicted`` counts them)."""
         self.check_budget(budget)
         self.config.budget = budget
         for g, held in zip(self.groups, self.allocation(budget).groups, strict=True):
@@ -405,11 +439,11 @@ class KVController:
 
     def _short_cache(self, budget: Budget) -> int | None:
         """The cells of the first cache too small for its group's share of ``budget`` (None: they all fit)."""
-        e = self.engine
-        layers = [None] if len(self.allocation(budget).groups) == 1 else [e.layer_cache.index(c) for c in e.caches]
-        for held, layer in zip(self.allocation(budget).groups, layers, strict=True):
-            if held.mode == "cells" and e.n_cells(layer) < cells_for(held, e.config.n_ubatch, 0):
-                return e.n_cells(layer)
+        e, sizes = self.engine, self._sizes()
+        groups = self.allocation(budget).groups
+        for held, cells in zip(groups, [min(sizes)] if len(groups) == 1 else sizes, strict=True):
+            if held.mode == "cells" and cells < cells_for(held, e.config.n_ubatch, 0):
+                return cells
         return None
 
     def set_policy(self, policy: Policy) -> None:
@@ -432,7 +466,7 @@ class KVController:
             g.obs = None
         self._pending = 0
         self._resize_to = None  # the state was made for the caches as they are
-        self.stats.cells_used = self.live.size
+        self._count()
         self.stats.tokens_seen = self.engine.n_past
 
     def truncate(self, n: int) -> None:
@@ -453,11 +487,12 @@ class KVController:
             g.obs = None
             if n == 0:
                 g.decided = None
-        if self.shares is not None and n == 0:
+        if self.shares is not None and n == 0:  # a new sequence starts from even shares, whatever came before
             self.shares.restart(0)
+            self._hold(self.allocation(self.config.budget))
         self._pending = 0  # the summed rows may include forgotten positions' queries: drop them
         self.stats.tokens_seen = n
-        self.stats.cells_used = self.live.size
+        self._count()
         if n == 0:
             self.stats.budget = None  # the last decision belonged to the forgotten sequence
 
@@ -524,7 +559,7 @@ class KVController:
         if not observe and flags & TapFlag.ATTN:
             self._pending += 1
         self.stats.tokens_seen = e.n_past
-        self.stats.cells_used = self.live.size
+        self._count()
 
     def _set_tap(self, flags: TapFlag, window: int) -> None:
         # a view of a shared context: another sequence may have set other flags since (the engine ignores a
@@ -587,15 +622,17 @@ class KVController:
         """Adaptive layer budgets: re-split each kind's holdings over its layers (``adaptive.LayerShares``),
         evict from the layers that now hold less, and give every cache its new size (a new context: the tap
         starts over). Returns how many positions went."""
-        allocation = self.allocation(self.config.budget, self.shares.decide(self.engine.n_past))
+        self._hold(self.allocation(self.config.budget, self.shares.decide(self.engine.n_past)))
+        return sum(self._evict(g, None, measure=False) for g in self.groups)
+
+    def _hold(self, allocation: Allocation) -> None:
+        """Give every layer its holding of ``allocation`` (adaptive) and schedule the caches' new sizes (the layers
+        that now hold less evict before the next decode: ``_adapt``, or an empty sequence)."""
         for g, held in zip(self.groups, allocation.groups, strict=True):
             g.budget = held
-        gone = sum(self._evict(g, None, measure=False) for g in self.groups)
         self.shares.applied({int(g.layers[0]): g.budget for g in self.groups})
-        e = self.engine
-        if tuple(allocation.cache_cells) != e.cache_sizes():
+        if tuple(allocation.cache_cells) != self.engine.cache_sizes():
             self.schedule_resize(tuple(allocation.cache_cells))
-        return gone
 
     def schedule_resize(self, cells: tuple[int, ...]) -> None:
         """Move the sequence to caches of ``cells`` (in the engine's cache order) just before the next decode."""
@@ -644,8 +681,6 @@ class KVController:
             keep = max(1, g.decided - (self.config.evict_every - 1))  # room for the steps to come
             k = min(max(0, n - keep), order.size)
         k = max(k, int(np.count_nonzero(gone)))
-        if g is self.groups[0]:
-            self.stats.budget = g.decided
         if k == 0:
             return 0
         victims = np.sort(order[:k])
@@ -662,10 +697,8 @@ class KVController:
         g.live = np.delete(g.live, victims)
         g.obs = None
         g.evicted += k
-        if g is self.groups[0]:
-            self.stats.evicted += k
         self.stats.evictions += 1
-        self.stats.cells_used = self.live.size
+        self._count()
         return k
 
     def _record_mass(self, g: LayerGroup, mass: np.ndarray) -> None:
@@ -739,3 +772,7 @@ def step_batch(controllers: Sequence[KVController], tokens: Sequence[int]) -> np
         if phase == c.config.evict_every - 1:
             c.evict()
     return logits
+
+
+def _mean(values: Sequence[int]) -> int:
+    return round(sum(values) / len(values))

@@ -50,6 +50,7 @@ class ModelInfo:
     sliding_window: int  # 0 = none
     file_bytes: int
     n_layer_swa: int = 0  # layers that read the sliding-window cache (the others read the full one)
+    layer_sliding: tuple[bool, ...] = ()  # by layer: whether it reads the sliding-window cache
 
     def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
         """K and V of one token over all layers, F16 by default."""
@@ -94,7 +95,10 @@ class ModelInfo:
         """What laying out a budget needs (``budget.allocate``), from the header alone: F16 K and V."""
         n_swa = self.n_layer_swa
         return CacheLayout(
-            self.cell_bytes(self.n_layer - n_swa), self.cell_bytes(n_swa), self.sliding_window if n_swa else 0
+            self.cell_bytes(self.n_layer - n_swa),
+            self.cell_bytes(n_swa),
+            self.sliding_window if n_swa else 0,
+            self.layer_sliding,
         )
 
     def trimmed_bytes(self, n_ctx: int, n_ubatch: int = 512) -> int:
@@ -173,7 +177,8 @@ def read_info(path: Path) -> ModelInfo:
     n_head = num("attention.head_count")
     n_layer = num("block_count")
     window = num("attention.sliding_window", SWA_DEFAULT.get(arch, 0)) if arch in SWA_PATTERN else 0
-    n_swa = _swa_layers(kv.get(f"{arch}.attention.sliding_window_pattern"), SWA_PATTERN.get(arch, 0), n_layer)
+    sliding = _swa_layers(kv.get(f"{arch}.attention.sliding_window_pattern"), SWA_PATTERN.get(arch, 0), n_layer)
+    sliding = sliding if window > 0 else (False,) * n_layer
     head_dim = num("embedding_length") // n_head if n_head else 0
     name = kv.get("general.name")
     return ModelInfo(
@@ -188,19 +193,20 @@ def read_info(path: Path) -> ModelInfo:
         n_ctx_train=num("context_length"),
         sliding_window=window,
         file_bytes=path.stat().st_size,
-        n_layer_swa=n_swa if window > 0 else 0,
+        n_layer_swa=sum(sliding),
+        layer_sliding=sliding,
     )
 
 
-def _swa_layers(pattern: Value | None, default: int, n_layer: int) -> int:
-    """How many layers slide (llama_hparams::set_swa_pattern): one flag per layer, or a period n (every n-th
+def _swa_layers(pattern: Value | None, default: int, n_layer: int) -> tuple[bool, ...]:
+    """Which layers slide (llama_hparams::set_swa_pattern): one flag per layer, or a period n (every n-th
     layer attends fully; 0: every layer slides; no period: no layer does)."""
     if isinstance(pattern, tuple):
-        return sum(bool(f) for f in pattern[:n_layer])
+        return tuple(bool(f) for f in pattern[:n_layer]) + (False,) * (n_layer - len(pattern))
     period = int(pattern) if isinstance(pattern, (int, float)) else default
     if period == 0:
-        return n_layer if pattern is not None else 0
-    return sum(il % period < period - 1 for il in range(n_layer))
+        return (pattern is not None,) * n_layer
+    return tuple(il % period < period - 1 for il in range(n_layer))
 
 
 def mib(n: float) -> str:
@@ -210,12 +216,17 @@ def mib(n: float) -> str:
 @dataclass(frozen=True)
 class BudgetAllocation:
     """What generate and serve allocate for a budget (``SessionSpec.allocation``, computed by the caller so that
-    ``info`` reads no session code): the cells of the full-attention and the sliding-window cache."""
+    ``info`` reads no session code): the cells of the cache each layer reads, by layer."""
 
     budget: int
     layer_budgets: str
-    cells: tuple[int, int]
+    layer_cells: tuple[int, ...]
     chunk: int  # the prompt chunk the allocation holds on top of the budget
+
+
+def _cells(counts: set[int]) -> str:
+    """The cells of a kind's caches: one count, or the range of their counts (pyramid)."""
+    return f"{min(counts):,}" if len(counts) == 1 else f"{min(counts):,}-{max(counts):,}"
 
 
 def saving(baseline: int, allocated: int, who: str) -> str:
@@ -267,11 +278,18 @@ def describe(info: ModelInfo, context: int | None, n_ubatch: int = 512, at: Budg
         )
         baselines.append(("the full cache", cache.bytes))
     if at is not None:
-        allocated = info.cache_layout().bytes(at.cells)
-        parts = f"full {at.cells[0]:,} cells" + (f" + sliding {at.cells[1]:,} cells" if at.cells[1] else "")
+        allocated = sum(at.layer_cells) * info.cell_bytes(1)  # every layer's K and V rows are alike
+        sliding = info.layer_sliding or (False,) * info.n_layer
+        parts = " + ".join(
+            f"{name} {_cells({c for c, s in zip(at.layer_cells, sliding, strict=True) if s == kind})} cells"
+            for name, kind in (("full", False), ("sliding", True))
+            if kind in sliding
+        )
+        how = "each kind's cells re-split over its layers every 256 positions, in these bytes"
         lines.append(
             f"KV at budget   {at.budget:,} cells, {at.layer_budgets} layer budgets: {mib(allocated)} = {parts} "
-            f"(as generate and serve allocate it: a prompt chunk of {at.chunk} and a question's room on top)"
+            f"(as generate and serve allocate it: a prompt chunk of {at.chunk} and a question's room on top"
+            + (f"; {how})" if at.layer_budgets == "adaptive" else ")")
         )
         if at.budget >= context:
             whole = f"{at.budget:,} cells hold all {context:,} positions"

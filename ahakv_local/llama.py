@@ -34,7 +34,7 @@ import llama_cpp
 import numpy as np
 
 from . import rpc, upstream
-from .budget import DEFAULT_LAYER_BUDGETS, KV_TYPE_AUTO, QUERY_TOKENS, QUESTION_AGNOSTIC, Budget
+from .budget import KV_TYPE_AUTO, QUERY_TOKENS, QUESTION_AGNOSTIC, Budget, default_layer_budgets
 from .controller import ControllerStats, KVController
 from .engine import Engine, clear_next_caches, kv_type_params, set_next_caches
 from .errors import AhakvError
@@ -103,7 +103,7 @@ class KVStats:
     tokens_seen: int
     evicted: int
     retention_ratio: float
-    kv_cells: int
+    kv_cells: int  # cells of the cache the budget is held in (a per-layer layout: its full-attention layers' mean)
     kv_bytes: int
     prompt_tokens: int
     prompt_tps: float
@@ -136,7 +136,7 @@ class Llama(llama_cpp.Llama):
         kv_pinned: tuple[int, int] | None = None,
         kv_reuse_compressed: bool = False,
         kv_query: bool | str = True,
-        kv_layer_budgets: str = DEFAULT_LAYER_BUDGETS,
+        kv_layer_budgets: str | None = None,
         kv_type: str | None = None,
         rpc_servers: str | Sequence[str] | None = None,
         repack_weights: bool = True,
@@ -175,6 +175,9 @@ class Llama(llama_cpp.Llama):
         reading = "query" if kv_query is True else kv_query or "plain"
         if kv_reuse_compressed and reading == "query":
             reading = "reconstruct"
+        if kv_layer_budgets is None:  # the product's layout for this model's kinds of layers
+            info = read_info(Path(model_path))
+            kv_layer_budgets = default_layer_budgets(info.n_layer_swa, info.n_layer)
         # an unknown policy or a policy without a budget fails here, before the model loads
         spec = SessionSpec.bounded(
             kv_policy,
@@ -437,7 +440,7 @@ class Llama(llama_cpp.Llama):
             tokens_seen=self.n_tokens,
             evicted=stats.evicted,
             retention_ratio=stats.cells_used / self.n_tokens if self.n_tokens else 1.0,
-            kv_cells=engine.n_cells(),
+            kv_cells=self._kv.allocated_cells() if self._kv is not None else engine.n_cells(),
             kv_bytes=engine.kv_bytes(),
             prompt_tokens=t["prompt_tokens"],
             prompt_tps=t["prompt_tokens"] / t["prompt_s"] if t["prompt_s"] else 0.0,

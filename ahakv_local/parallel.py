@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .budget import QUERY_TOKENS, QUESTION_AGNOSTIC, Budget, cells_for
-from .controller import ControllerStats, Reconstruct, step_batch
+from .controller import Reconstruct, step_batch
 from .engine import Engine
 from .errors import AhakvError
 from .policies import Policy, make_policy
@@ -124,7 +124,7 @@ class SequencePool:
             raise AhakvError(f"the prompt has {len(gen.prompt)} tokens, past the model's {self.engine.n_ctx_train}")
         ctl.configure(budget, policy)
         ctl.truncate(0)
-        ctl.stats = ControllerStats()  # the figures of this request
+        ctl.restart_stats()  # the figures of this request
         self.active[seq] = gen
         self._counts[seq] = Counter()
         self._rng[seq] = np.random.default_rng(gen.sampling.seed)

@@ -23,7 +23,7 @@ from test_per_layer_caches import PER_LAYER
 
 from ahakv_local import adaptive
 from ahakv_local.adaptive import LayerShares, fill
-from ahakv_local.budget import ADAPTIVE_RANGE, Budget, allocate
+from ahakv_local.budget import ADAPTIVE_RANGE, Budget, allocate, whole_cells
 from ahakv_local.errors import AhakvError
 from ahakv_local.fixture import FixtureSpec
 from ahakv_local.models import fixture_path
@@ -211,6 +211,23 @@ def test_adaptive_layouts_on_gemma3_270m(text):
             assert min(heavy) > max(light), "a layer weighted up must hold more"
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_kind_holds_its_cell_budget_exactly_on_average(seed):
+    """Shares of a cell budget are rounded to whole cells that add up to the kind's cells (largest remainders up):
+    the full-attention layers hold 1,024 on average, what ``kv_stats`` reports as the budget; each layer within one
+    cell of its share (a numpy reference of the shares: ``spread`` inside ADAPTIVE_RANGE, no cap binding here)."""
+    rng = np.random.default_rng(seed)
+    chunk, every, keep = 64, 32, 36
+    weights = rng.uniform(0.6, 1.4, 18)
+    a = allocate(Budget.parse("1024"), GEMMA3_270M_BY_LAYER, "adaptive", chunk, 0, 0, every, None, keep, weights)
+    full = np.flatnonzero(~np.asarray(GEMMA3_LAYERS))
+    held = np.array([a.groups[a.layer_groups[il]].value for il in full])
+    share = 1024 * weights[full] / weights[full].mean()
+    assert held.sum() == 3 * 1024 and np.all(np.abs(held - share) < 1)
+    assert whole_cells([2.5, 2.5, 1.0]) in ([3, 2, 1], [2, 3, 1]) and whole_cells([0.4, 0.4, 0.4]) == [1, 0, 0]
+    assert whole_cells([3.7, 1.2]) == [3, 1]  # 4.9 cells: 4 whole ones, none rounded up
+
+
 def test_no_full_attention_layer_holds_more_than_the_longest_sequence():
     """A full-attention layer weighted above the longest sequence would keep cells it can never fill while the
     others evict: it holds the longest sequence and the others share what it could not use (the kind's cells
@@ -274,6 +291,34 @@ def test_an_adaptive_session_resizes_as_it_reads(six_layers, license_text, monke
         for kind in (False, True):  # within a kind, at most (1 + range) / (1 - range) apart (+ a cell of rounding)
             held = [g.budget.value for g in c.groups if e.layer_sliding[g.layers[0]] == kind]
             assert max(held) <= (1 + ADAPTIVE_RANGE) / (1 - ADAPTIVE_RANGE) * min(held) + 1
+
+
+def test_a_new_sequence_starts_from_even_shares(six_layers, license_text, monkeypatch):
+    """After a rewind to the start (a server's next request, chat's /reset) the layers hold even shares again and
+    the caches get their first sizes back, so a sequence meets the same decisions whatever came before it: the same
+    text read twice leaves every layer the same positions, its statistics alike."""
+    monkeypatch.setattr(adaptive, "ADAPT_EVERY", 48)
+    spec = SessionSpec.bounded("h2o", "40KiB", n_recent=8, evict_every=4, layer_budgets="adaptive")
+    with open_session(six_layers, spec, longest=400, n_ubatch=CHUNK) as s:
+        c, e = s.controller, s.engine
+        first, even = e.cache_sizes(), [g.budget for g in c.groups]
+        toks = e.tokenize(license_text)[:260]
+
+        def read() -> tuple[list[np.ndarray], tuple[int, ...], int]:
+            before = c.stats.evicted  # counted from the start of the session (tokens_seen: until a rewind)
+            c.prefill(toks[:200])
+            for t in toks[200:]:
+                c.step(t)
+            return [g.live.copy() for g in c.groups], e.cache_sizes(), c.stats.evicted - before
+
+        once = read()
+        assert once[1] != first, "the caches never changed size"
+        s.reset()
+        assert np.all(c.shares.weights == 1.0) and [g.budget for g in c.groups] == even
+        twice = read()
+        for a, b in zip(once[0], twice[0], strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert twice[1:] == once[1:] and once[2] > 0
 
 
 def test_a_guided_reading_keeps_the_shares_and_decoding_adapts_after_it(six_layers, license_text, monkeypatch):

@@ -122,7 +122,8 @@ def test_generate_holds_the_budget_and_reports(fixture_model):
 
 def test_info_reports_the_savings(gemma_model):
     """The saving of what a budget really allocates against both caches a user would otherwise run (known answer
-    from the header's shape): at 512 cells the natural groups allocate 641 cells in each cache (512, a chunk of 64,
+    from the header's shape): at 512 cells the product's layout (adaptive: one cache per layer, starting as the
+    natural groups) allocates 641 cells in each cache (512, a chunk of 64,
     the newest token, a question's room of 64) at 1,024 B per cell and layer (1 KV head x (256 + 256) x F16) over
     18 layers; llama-cpp-python's default holds 32,768 cells in every layer, llama.cpp's tools trim the 15 sliding
     layers to 1,024."""
@@ -131,7 +132,7 @@ def test_info_reports_the_savings(gemma_model):
     assert "KV per token   18,432 bytes" in proc.stdout
     assert "sliding window 512" in proc.stdout and "trained ctx    32,768 positions" in proc.stdout
     allocated, untrimmed, trimmed = 641 * 18 * 1024, 32768 * 18 * 1024, (32768 * 3 + 1024 * 15) * 1024
-    assert f"natural layer budgets: {allocated / 2**20:.1f} MiB = full 641 cells + sliding 641 cells" in proc.stdout
+    assert f"adaptive layer budgets: {allocated / 2**20:.1f} MiB = full 641 cells + sliding 641 cells" in proc.stdout
     assert (
         f"budget saves   {untrimmed / allocated:.0f}x less than llama-cpp-python's default "
         f"({100 - 100 * allocated / untrimmed:.1f}% saved), {trimmed / allocated:.1f}x less than llama.cpp's trimmed "
@@ -156,9 +157,10 @@ def test_info_without_a_sliding_window_has_one_baseline(fixture_model):
 
 def test_info_states_what_generate_allocates(gemma_model):
     """info's line for the product's layout against a second path: what generate's engine really allocated at the
-    same budget (natural groups: 1,024 cells in the full-attention cache, its window + one eviction period in the
-    sliding one, each with a chunk, the newest token and a question's room)."""
-    said = re.search(r"KV at budget   1,024 cells, natural layer budgets: ([\d.]+) MiB = full ([\d,]+) cells",
+    same budget (adaptive, one cache per layer, starting as natural holds each kind: 1,024 cells in each
+    full-attention layer, the window + one eviction period in each sliding one, each with a chunk, the newest token
+    and a question's room)."""
+    said = re.search(r"KV at budget   1,024 cells, adaptive layer budgets: ([\d.]+) MiB = full ([\d,]+) cells",
                      ahakv("info", str(gemma_model), "--budget", "1024").stdout)  # fmt: skip
     proc = ahakv("generate", str(gemma_model), "-p", "Hello", "-n", "1", "--budget", "1024", "--stats")
     done = re.search(r"\((\d+) allocated, ([\d.]+) MiB KV, f16\)", proc.stderr + proc.stdout)
@@ -167,6 +169,17 @@ def test_info_states_what_generate_allocates(gemma_model):
     # the shared pool gives the sliding cache as many cells as the full one (known answer)
     shared = ahakv("info", str(gemma_model), "--budget", "1024", "--layer-budgets", "shared").stdout
     assert "shared layer budgets: 20.3 MiB = full 1,153 cells + sliding 1,153 cells" in shared
+    natural = ahakv("info", str(gemma_model), "--budget", "1024", "--layer-budgets", "natural").stdout
+    assert f"natural layer budgets: {said.group(1)} MiB = full 1,153 cells + sliding 672 cells" in natural
+    # pyramid: the full-attention layers' caches differ, and info sums them as generate's engine allocates them
+    pyramid = re.search(
+        r"pyramid layer budgets: ([\d.]+) MiB = full ([\d,]+)-([\d,]+) cells",
+        ahakv("info", str(gemma_model), "--budget", "1024", "--layer-budgets", "pyramid").stdout,
+    )
+    proc = ahakv("generate", str(gemma_model), "-p", "Hi", "-n", "1", "--budget", "1024", "--layer-budgets", "pyramid",
+                 "--stats")  # fmt: skip
+    done = re.search(r"([\d.]+) MiB KV", proc.stderr)
+    assert pyramid and done and pyramid.group(1) == done.group(1), proc.stderr
 
 
 def test_environment_variables_mirror_options(fixture_model):

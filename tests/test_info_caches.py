@@ -80,11 +80,21 @@ def test_row_bytes_and_bad_types():
 
 def test_sliding_layer_patterns():
     """llama_hparams::set_swa_pattern: every n-th layer (counting from 1) attends fully; 0: all slide; or flags."""
-    assert _swa_layers(None, 6, 18) == 15  # gemma3's default
-    assert _swa_layers(None, 0, 18) == 0  # no pattern, no sliding layer
-    assert _swa_layers(2, 6, 2) == 1  # the GGUF's period wins
-    assert _swa_layers(0, 6, 5) == 5
-    assert _swa_layers((True, False, True, True), 6, 4) == 3
+    gemma3 = _swa_layers(None, 6, 18)  # gemma3's default
+    assert sum(gemma3) == 15 and [il for il, s in enumerate(gemma3) if not s] == [5, 11, 17]
+    assert _swa_layers(None, 0, 18) == (False,) * 18  # no pattern, no sliding layer
+    assert _swa_layers(2, 6, 2) == (True, False)  # the GGUF's period wins
+    assert _swa_layers(0, 6, 5) == (True,) * 5
+    assert _swa_layers((True, False, True, True), 6, 4) == (True, False, True, True)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_header_layout_equals_the_engines(arch, gemma_model):
+    """The layout ``info`` lays a budget out on (the header's) is the engine's: bytes per cell of each kind, window
+    and which layers slide (a per-layer layout needs the last)."""
+    for model in [fixture_path(FixtureSpec(arch=arch))] + ([gemma_model] if arch == "gemma3" else []):
+        with Engine(model, EngineConfig(n_ctx=256, n_batch=64, n_ubatch=64, swa_full=False)) as e:
+            assert read_info(model).cache_layout() == e.cache_layout()
 
 
 def test_info_command_prints_both_layouts(gemma_model):

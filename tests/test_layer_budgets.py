@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import record_shared_decisions as recorded
 
-from ahakv_local.budget import Budget, CacheLayout, allocate, cells_for, pyramid_weights, spread
+from ahakv_local.budget import PER_LAYER, Budget, CacheLayout, allocate, cells_for, pyramid_weights, spread
 from ahakv_local.engine import LayerCache
 from ahakv_local.errors import AhakvError
 from ahakv_local.fixture import ARCH_HPARAMS, FixtureSpec
@@ -239,7 +239,12 @@ def run_checked(path, text, spec: SessionSpec, prompt: int, steps: int, longest:
             assert before[-1] not in victims, f"{g.name}: the newest position was evicted"
             assert np.isin(victims, before).all()
         assert sum(v.size for *_, v in evictions) == sum(g.evicted for g in c.groups)
-        assert c.stats.evicted == c.groups[0].evicted == sum(v.size for g, _, _, v in evictions if g is c.groups[0])
+        # the statistics count the first group, or in a per-layer layout the mean of the full-attention layers'
+        counted = [g for g in c.groups if not g.window] if spec.layer_budgets in PER_LAYER else c.groups[:1]
+        by_group = [sum(v.size for h, _, _, v in evictions if h is g) for g in counted]
+        assert [g.evicted for g in counted] == by_group
+        assert c.stats.evicted == round(sum(by_group) / len(counted))
+        assert c.stats.cells_used == round(sum(g.live.size for g in counted) / len(counted))
         return {g.name: (g.live.copy(), g.evicted) for g in c.groups} | {"every": every, "kv_bytes": e.kv_bytes()}
 
 
@@ -487,13 +492,18 @@ def test_the_command_line_takes_layer_budgets():
 
     out = CliRunner().invoke(main, ["generate", "--help"]).output
     assert "--layer-budgets [shared|natural|uniform|pyramid|adaptive]" in out and "16MiB" in out
-    assert "[default: natural; serve --parallel: shared]" in " ".join(out.split())
+    assert (
+        "[default: adaptive on a model with sliding-window and full-attention layers, else natural; serve --parallel: "
+        "shared]"
+    ) in " ".join(out.split()).replace("- ", "-")  # click wraps the help at hyphens
 
 
-def test_the_product_lays_a_cell_budget_out_in_natural_groups(gemma3_fixture, license_text, monkeypatch):
-    """The drop-in and the command line default to ``natural``: a cell budget is what the full-attention layers
-    hold, the sliding-window layers hold at most their window (+ one eviction period), so the allocated bytes are
-    fewer than the shared pool's at the same budget (known answer: 128 bytes per cell per layer, cells_for)."""
+def test_the_product_lays_a_cell_budget_out_per_layer(gemma3_fixture, license_text, monkeypatch):
+    """The drop-in and the command line default to ``adaptive`` on a model with both kinds of layers: one cache per
+    layer, starting as the natural groups hold each kind (a cell budget is what a full-attention layer holds, a
+    sliding-window layer at most its window + one eviction period), so the allocated bytes are the natural groups'
+    and fewer than the shared pool's (known answer: 128 bytes per cell per layer, cells_for); on a model with one
+    cache the default is ``natural``, which there is one pool."""
     from ahakv_local import Llama
     from ahakv_local import cli as cli_module
 
@@ -501,20 +511,27 @@ def test_the_product_lays_a_cell_budget_out_in_natural_groups(gemma3_fixture, li
               n_ubatch=CHUNK, verbose=False)  # fmt: skip
     with Llama(str(gemma3_fixture), **kw) as llm, Llama(str(gemma3_fixture), kv_layer_budgets="shared", **kw) as pool:
         c = llm.kv_controller
-        assert [g.name for g in c.groups] == ["base", "sliding"]
-        assert c.group("sliding").budget.value == WINDOW + 4 - 1 < 64
-        base, sliding = (cells_for(Budget("cells", n), CHUNK, 0) for n in (64, WINDOW + 4 - 1))
-        assert llm.kv_engine.kv_bytes() == 128 * (base + sliding) < pool.kv_engine.kv_bytes() == 128 * 2 * base
+        assert c.config.layer_budgets == "adaptive"
+        sliding = llm.kv_engine.layer_sliding
+        assert sorted(g.name for g in c.groups) == [f"layer {il}" for il in range(len(sliding))]
+        for g in c.groups:
+            held = WINDOW + 4 - 1 if sliding[int(g.layers[0])] else 64
+            assert g.budget == Budget("cells", held)
+        base, window = (cells_for(Budget("cells", n), CHUNK, 0) for n in (64, WINDOW + 4 - 1))
+        assert llm.kv_engine.kv_bytes() == 128 * (base + window) < pool.kv_engine.kv_bytes() == 128 * 2 * base
         llm.eval(llm.kv_engine.tokenize(license_text)[:150])
         for g in c.groups:
             assert g.live.size <= g.budget.target(llm.kv_engine.n_past)
-        assert llm.kv_stats().evicted == llm.kv_stats().tokens_seen - llm.kv_stats().cells_used
+        assert llm.kv_stats().evicted == llm.kv_stats().tokens_seen - llm.kv_stats().cells_used > 0
+    one_cache = fixture_path(FixtureSpec(arch="llama"))
+    with Llama(str(one_cache), **kw) as llm:
+        assert llm.kv_controller.config.layer_budgets == "natural" and len(llm.kv_controller.groups) == 1
     seen = {}
     monkeypatch.setattr(cli_module, "load_llama", lambda model, **engine: seen.update(engine) or sys.exit(0))
     from click.testing import CliRunner
 
     CliRunner().invoke(cli_module.main, ["generate", str(gemma3_fixture), "-p", "x", "--budget", "64"])
-    assert seen["layer_budgets"] is None  # resolved by load_llama to DEFAULT_LAYER_BUDGETS
+    assert seen["layer_budgets"] is None  # resolved by the drop-in for the model (budget.default_layer_budgets)
 
 
 def test_an_auto_budget_in_caches_sized_for_fewer_cells(gemma3_fixture, license_text):
