@@ -625,14 +625,44 @@ class KVController:
         self._hold(self.allocation(self.config.budget, self.shares.decide(self.engine.n_past)))
         return sum(self._evict(g, None, measure=False) for g in self.groups)
 
+    def take_sizes(self, cells: tuple[int, ...]) -> None:
+        """Empty the sequence and give the caches ``cells`` (a saved state's, made where adaptive shares had
+        resized them: llama.cpp loads a cache's cells only into a cache as large), every layer holding what its
+        cache was sized for. Refused in one line where the sizes do not fit this layout and budget."""
+        e = self.engine
+        extra = e.config.n_ubatch + 1 + self.config.room  # what cells_for adds to a holding
+        kinds = [bool(g.window) for g in self.groups]  # in cache order, as ``cells``
+
+        def per_kind(sizes: Sequence[int]) -> list[int]:  # a kind's shares add up to its even split at most
+            return [sum(n for n, k in zip(sizes, kinds, strict=True) if k == kind) for kind in (False, True)]
+
+        def fits() -> bool:
+            if self.shares is None or len(cells) != len(self.groups) or min(cells) <= extra:
+                return False
+            even = self.allocation(self.config.budget, [1.0] * len(self.groups)).cache_cells
+            return all(a <= b for a, b in zip(per_kind(cells), per_kind(even), strict=True))
+
+        if not fits():
+            raise AhakvError(
+                f"this state was saved in caches of other sizes ({min(cells)}-{max(cells)} cells): not this context's "
+                "layout and budget"
+            )
+        self.truncate(0)
+        self._resize_to = None
+        for g, n in zip(self.groups, cells, strict=True):
+            g.budget = Budget("cells", n - extra)
+        self.shares.applied({int(g.layers[0]): g.budget for g in self.groups})
+        e.resize_caches(cells)
+        self._tap = None
+
     def _hold(self, allocation: Allocation) -> None:
         """Give every layer its holding of ``allocation`` (adaptive) and schedule the caches' new sizes (the layers
         that now hold less evict before the next decode: ``_adapt``, or an empty sequence)."""
         for g, held in zip(self.groups, allocation.groups, strict=True):
             g.budget = held
         self.shares.applied({int(g.layers[0]): g.budget for g in self.groups})
-        if tuple(allocation.cache_cells) != self.engine.cache_sizes():
-            self.schedule_resize(tuple(allocation.cache_cells))
+        cells = tuple(allocation.cache_cells)  # a decision not yet applied is replaced, even by the sizes of now
+        self._resize_to = cells if cells != self.engine.cache_sizes() else None
 
     def schedule_resize(self, cells: tuple[int, ...]) -> None:
         """Move the sequence to caches of ``cells`` (in the engine's cache order) just before the next decode."""

@@ -375,6 +375,13 @@ class Llama(llama_cpp.Llama):
         if self._kv is not None:
             self._kv.truncate(0)
 
+    def save_state(self):
+        """llama_cpp.Llama's state, with the cells of each KV cache it was made in (``kv_cache_cells``): adaptive
+        layer budgets resize the caches, and llama.cpp loads a cache's cells only into one as large."""
+        state = super().save_state()
+        state.kv_cache_cells = self._kv_engine.cache_sizes() if self._kv is not None else None
+        return state
+
     def load_state(self, state) -> None:
         """Restore a ``save_state()``; a state of another model or context size is refused before anything
         changes (upstream would fail halfway, in numpy, with the cache half-replaced)."""
@@ -391,6 +398,12 @@ class Llama(llama_cpp.Llama):
         ids[: state.n_tokens] = np.asarray(state.input_ids[: state.n_tokens], dtype=np.intc)
         if state.n_tokens and (ids[: state.n_tokens].min() < 0 or ids[: state.n_tokens].max() >= n_vocab):
             raise ValueError("this state holds token ids outside this model's vocabulary")
+        cells = getattr(state, "kv_cache_cells", None)
+        if self._kv is not None and cells is not None and tuple(cells) != self._kv_engine.cache_sizes():
+            try:  # the caches it was saved in, emptied (the state replaces the sequence)
+                self._kv.take_sizes(tuple(int(n) for n in cells))
+            except AhakvError as exc:
+                raise ValueError(str(exc)) from None
         upstream.restore_positions(self, ids, state.n_tokens, state.seed, scores)
         buf = (ctypes.c_uint8 * state.llama_state_size).from_buffer_copy(state.llama_state)
         _, ctx, _ = upstream.handles(self)

@@ -4,7 +4,8 @@ A saved chat is data, not code: loading one parses JSON and hands llama.cpp a by
 checking that the file is what it claims to be and was saved from the same model, so a crafted or
 foreign file is refused with one line and the running conversation stays as it was.
 
-    chat.json   {"format", "version", "model": {...}, "system", "messages", "n_tokens", "input_ids", "seed"}
+    chat.json   {"format", "version", "model": {...}, "system", "messages", "n_tokens", "input_ids", "seed",
+                 "cache_cells"}
     state.bin   llama_state_get_data() of the context (the compressed cache, positions included)
 """
 
@@ -49,6 +50,8 @@ def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None
         "n_tokens": int(state.n_tokens),
         "input_ids": [int(t) for t in state.input_ids[: state.n_tokens]],
         "seed": int(state.seed),
+        # the cells of each KV cache the state was made in (adaptive layer budgets resize them; None: no budget)
+        "cache_cells": [int(n) for n in state.kv_cache_cells] if getattr(state, "kv_cache_cells", None) else None,
     }
     tmp = path.with_name(path.name + ".tmp")
     with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
@@ -69,6 +72,7 @@ def load_chat(path: Path, llm) -> tuple[list[dict], str | None]:
         llama_state=blob,
         seed=meta["seed"],
     )
+    state.kv_cache_cells = meta.get("cache_cells")  # checked by the drop-in against its layout and budget
     try:
         llm.load_state(state)
     except ValueError as exc:
@@ -114,4 +118,7 @@ def _check(meta: dict, llm, path: Path) -> tuple[list[dict], str | None]:
         raise AhakvError(f"{path} holds an invalid token list")
     if not all(isinstance(t, int) and 0 <= t < here["n_vocab"] for t in ids):
         raise AhakvError(f"{path} holds token ids outside this model's vocabulary")
+    cells = meta.get("cache_cells")
+    if cells is not None and not (isinstance(cells, list) and cells and all(type(c) is int and c > 0 for c in cells)):
+        raise AhakvError(f"{path} holds invalid KV cache sizes")
     return [{"role": m["role"], "content": m["content"]} for m in messages], system

@@ -365,6 +365,39 @@ def test_the_drop_in_resizes_its_own_context(six_layers, license_text, monkeypat
             np.testing.assert_array_equal(g.live, g.read_live(e))
 
 
+def test_a_saved_state_loads_into_the_caches_it_was_made_in(six_layers, license_text, monkeypatch):
+    """A state saved after the shares moved loads into a fresh drop-in (even shares): llama.cpp loads a cache's
+    cells only into one as large, so the caches take the saved sizes first; the same positions come back in every
+    layer, and a state whose caches exceed this budget is refused in one line with nothing changed."""
+    from ahakv_local import Llama
+
+    monkeypatch.setattr(adaptive, "ADAPT_EVERY", 10**6)  # the shares set below stay while the text is read
+    kw = dict(kv_budget="160KiB", kv_policy="h2o", kv_recent=8, kv_layer_budgets="adaptive", n_ctx=2048,
+              n_batch=CHUNK, n_ubatch=CHUNK, verbose=False)  # fmt: skip
+    with Llama(str(six_layers), **kw) as llm:
+        c, e = llm.kv_controller, llm.kv_engine
+        weights = [1.5 if il == 1 else 0.5 if il == 3 else 1.0 for il in range(6)]  # layers 1, 3, 5: full attention
+        toks = e.tokenize(license_text)[:700]
+        llm.eval(toks[:CHUNK])  # a new sequence starts from even shares; then they move, as a decision moves them
+        c._hold(c.allocation(c.config.budget, weights))
+        llm.eval(toks[CHUNK:])
+        sizes = e.cache_sizes()
+        assert max(sizes) > min(n for n, k in zip(sizes, map(e.cache_sliding, e.caches), strict=True) if not k) + 64
+        state = llm.save_state()
+        live = {g.name: g.live.copy() for g in c.groups}
+    with Llama(str(six_layers), **kw) as fresh:
+        assert fresh.kv_engine.cache_sizes() != sizes
+        fresh.load_state(state)
+        assert fresh.kv_engine.cache_sizes() == sizes
+        for g in fresh.kv_controller.groups:
+            np.testing.assert_array_equal(g.live, live[g.name])
+            np.testing.assert_array_equal(g.live, g.read_live(fresh.kv_engine))
+        state.kv_cache_cells = tuple(n + 200 for n in sizes)  # more bytes than this budget holds
+        with pytest.raises(ValueError, match="saved in caches of other sizes"):
+            fresh.load_state(state)
+        assert fresh.kv_engine.cache_sizes() == sizes and fresh.n_tokens == 700
+
+
 def test_statistics_of_other_layers_align_with_one_layers_positions(six_layers, license_text):
     """Statistics of several per-layer caches aligned with one layer's positions (other caches hold other
     positions): each layer's statistics land on the positions both hold (by position, as that layer's own ``stat``

@@ -76,6 +76,7 @@ def test_save_is_state_bytes_and_json_and_load_continues_identically(fixture_mod
         assert sorted(z.namelist()) == ["chat.json", "state.bin"]
         meta = json.loads(z.read("chat.json"))
     assert meta["messages"] == chat.messages and meta["n_tokens"] == chat.llm.n_tokens
+    assert meta["cache_cells"] == list(chat.llm.kv_engine.cache_sizes())  # the caches the state was made in
     live = chat.llm.kv_controller.live.copy()
     expected = talk(chat, "and the dog?")  # the reference: the original session goes on
 
@@ -120,6 +121,8 @@ def test_foreign_and_damaged_files_change_nothing(chat, tmp_path):
         "no valid conversation": lambda m, b: ({**m, "messages": [{"role": "x", "content": 1}]}, b),
         "another version": lambda m, b: ({**m, "version": 99}, b),
         "llama.cpp refused": lambda m, b: (m, b[: len(b) // 2]),
+        "invalid KV cache sizes": lambda m, b: ({**m, "cache_cells": [0, "x"]}, b),
+        "saved in caches of other sizes": lambda m, b: ({**m, "cache_cells": [n + 1 for n in m["cache_cells"]]}, b),
     }
     for message, edit in cases.items():
         with pytest.raises(AhakvError, match=message):
