@@ -139,6 +139,11 @@ def cells_for(budget: Budget, chunk: int, longest: int, room: int = 0) -> int:
     return longest + room
 
 
+def holding_of(cells: int, chunk: int, room: int = 0) -> Budget:
+    """The cells a cache of ``cells`` holds between evictions: ``cells_for`` of a cell budget, inverted."""
+    return Budget("cells", cells - chunk - 1 - room)
+
+
 LayerBudgets = Literal["shared", "natural", "uniform", "pyramid", "adaptive"]
 LAYER_BUDGETS: tuple[str, ...] = get_args(LayerBudgets)
 PER_LAYER: tuple[str, ...] = ("uniform", "pyramid", "adaptive")  # one cache per layer (EngineConfig.layer_groups)

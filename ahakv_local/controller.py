@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .adaptive import LayerShares
-from .budget import PER_LAYER, Allocation, Budget, LayerBudgets, allocate, cells_for
+from .budget import PER_LAYER, Allocation, Budget, LayerBudgets, allocate, cells_for, holding_of
 from .engine import Engine, decode_batch
 from .errors import AhakvError
 from .groups import LayerGroup, make_groups
@@ -630,14 +630,14 @@ class KVController:
         resized them: llama.cpp loads a cache's cells only into a cache as large), every layer holding what its
         cache was sized for. Refused in one line where the sizes do not fit this layout and budget."""
         e = self.engine
-        extra = e.config.n_ubatch + 1 + self.config.room  # what cells_for adds to a holding
+        held = [holding_of(n, e.config.n_ubatch, self.config.room) for n in cells]
         kinds = [bool(g.window) for g in self.groups]  # in cache order, as ``cells``
 
         def per_kind(sizes: Sequence[int]) -> list[int]:  # a kind's shares add up to its even split at most
             return [sum(n for n, k in zip(sizes, kinds, strict=True) if k == kind) for kind in (False, True)]
 
         def fits() -> bool:
-            if self.shares is None or len(cells) != len(self.groups) or min(cells) <= extra:
+            if self.shares is None or len(cells) != len(self.groups) or min(h.value for h in held) < 1:
                 return False
             even = self.allocation(self.config.budget, [1.0] * len(self.groups)).cache_cells
             return all(a <= b for a, b in zip(per_kind(cells), per_kind(even), strict=True))
@@ -649,8 +649,8 @@ class KVController:
             )
         self.truncate(0)
         self._resize_to = None
-        for g, n in zip(self.groups, cells, strict=True):
-            g.budget = Budget("cells", n - extra)
+        for g, h in zip(self.groups, held, strict=True):
+            g.budget = h
         self.shares.applied({int(g.layers[0]): g.budget for g in self.groups})
         e.resize_caches(cells)
         self._tap = None

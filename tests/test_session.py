@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ahakv_local import Llama
-from ahakv_local.budget import NO_EVICTION, Budget, cells_for
+from ahakv_local.budget import NO_EVICTION, Budget, cells_for, holding_of
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.errors import AhakvError
 from ahakv_local.evaluation import evaluate
@@ -17,6 +17,8 @@ from ahakv_local.session import SessionSpec, open_session
 def test_the_cell_rule():
     # a cell budget: itself, one chunk on top (compressed after each chunk) and the newest token
     assert cells_for(Budget.parse(128), 64, 10_000) == 128 + 64 + 1
+    # and back: what a cache of so many cells holds (a saved state's caches, KVController.take_sizes)
+    assert holding_of(cells_for(Budget.parse(128), 64, 10_000, 64), 64, 64) == Budget.parse(128)
     # a ratio, an error model or no eviction may need every position of the longest sequence
     for budget in (Budget.parse("25%"), Budget.parse("auto"), NO_EVICTION):
         assert cells_for(budget, 64, 3000) == 3000
