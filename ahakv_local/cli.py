@@ -320,7 +320,10 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
             f"prompt {s.prompt_tokens} tok at {s.prompt_tps:.1f} t/s | generated {s.sampled_tokens} tok at "
             f"{s.generation_tps:.1f} t/s | cache {s.cells_used}/{budget} cells ({s.kv_cells} allocated, "
             f"{s.kv_bytes / 2**20:.1f} MiB KV, {s.kv_type}) | seen {s.tokens_seen} | evicted {s.evicted}"
-            + "".join(f" | {g} {u / 2**20:.2f}/{a / 2**20:.2f} MiB" for g, (a, u) in s.kv_group_bytes.items()),
+            + "".join(
+                f" | {kind} {u / 2**20:.2f}/{a / 2**20:.2f} MiB" + (f" in {n} caches" if n > 1 else "")
+                for kind, (a, u, n) in s.kv_kind_bytes.items()
+            ),
             err=True,
         )
 

@@ -181,6 +181,16 @@ class KVController:
         """Each group's (allocated, used) K+V bytes, by name: its cache's (the shared group: every cache's)."""
         return {g.name: (g.allocated_bytes(self.engine), g.used_bytes(self.engine)) for g in self.groups}
 
+    def kind_bytes(self) -> dict[str, tuple[int, int, int]]:
+        """(allocated, used) K+V bytes and the caches of each kind of group: "shared" (every cache), or "full" and
+        "sliding" (natural: one cache each; a per-layer layout: every layer's of that kind, summed)."""
+        out: dict[str, tuple[int, int, int]] = {}
+        for g in self.groups:
+            kind = "shared" if g.cache is None else "sliding" if g.window else "full"
+            a, u, n = out.get(kind, (0, 0, 0))
+            out[kind] = (a + g.allocated_bytes(self.engine), u + g.used_bytes(self.engine), n + 1)
+        return out
+
     def allocation(self, budget: Budget, layer_weights: Sequence[float] | None = None) -> Allocation:
         """``budget`` laid out on this engine's layer groups (``budget.allocate``; a byte budget counts every
         layer's K+V bytes and may be refused as too small); adaptive: with the layers' current shares, or

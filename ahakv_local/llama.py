@@ -111,8 +111,10 @@ class KVStats:
     generation_tps: float
     sampled_tokens: int = 0  # tokens sampled since the timings were reset (a completion's length, end of turn included)
     guide_tokens: int = 0  # tokens decoded to guide long prompts' readings (a question behind each chunk), all told
-    # by layer group ("shared", or "base" and "sliding"): [allocated, used] K+V bytes
+    # by layer group ("shared", "base" and "sliding", or "layer <il>"): [allocated, used] K+V bytes
     kv_group_bytes: dict[str, list[int]] = field(default_factory=dict)
+    # by kind ("shared", or "full" and "sliding"): [allocated, used] K+V bytes and the caches summed
+    kv_kind_bytes: dict[str, list[int]] = field(default_factory=dict)
     kv_type: str = "f16"  # of K and V (kv_type "auto": the type it decided)
 
     def as_dict(self) -> dict:
@@ -462,5 +464,6 @@ class Llama(llama_cpp.Llama):
             sampled_tokens=t["sampled"],
             guide_tokens=stats.guide_tokens,
             kv_group_bytes={k: list(v) for k, v in self._kv.group_bytes().items()} if self._kv is not None else {},
+            kv_kind_bytes={k: list(v) for k, v in self._kv.kind_bytes().items()} if self._kv is not None else {},
             kv_type=engine.config.type_k,
         )

@@ -275,9 +275,10 @@ def test_ahakv_threads_is_read_in_one_place(fixture_model, monkeypatch):
 
 @pytest.mark.parametrize("layout", ["pyramid", "adaptive"])
 def test_generate_with_one_cache_per_layer(layout):
-    """--layer-budgets pyramid / adaptive on a six-layer sliding-window fixture, end to end: the stats name every
-    layer's group, within the byte budget (adaptive: after the resizes of a prompt long enough for decisions, one
-    per 256 positions); pyramid allocates the lower full-attention layer more than the upper one."""
+    """--layer-budgets pyramid / adaptive on a six-layer sliding-window fixture, end to end: the stats sum each kind
+    of layer's caches (three each), within the byte budget (adaptive: after the resizes of a prompt long enough for
+    decisions, one per 256 positions), as the drop-in's own by-layer figures; pyramid allocates the lower
+    full-attention layer more than the upper one."""
     from ahakv_local.fixture import FixtureSpec
     from ahakv_local.models import fixture_path
 
@@ -285,9 +286,14 @@ def test_generate_with_one_cache_per_layer(layout):
     args = ["generate", str(path), "-n", "40", "--budget", "160KiB", "--layer-budgets", layout, "--stats"]
     proc = ahakv(*args, stdin="the quick brown fox jumps over the lazy dog. " * 40)
     assert proc.returncode == 0, proc.stderr
-    groups = dict(re.findall(r"\| (layer \d) ([\d.]+/[\d.]+) MiB", proc.stderr))
-    assert set(groups) == {f"layer {il}" for il in range(6)}, proc.stderr
-    allocated = {name: float(v.split("/")[1]) for name, v in groups.items()}
-    assert sum(allocated.values()) <= 160 / 1024 + 6 * 0.005  # each printed to two decimals
+    kinds = {k: float(a) for k, a in re.findall(r"\| (full|sliding) [\d.]+/([\d.]+) MiB in 3 caches", proc.stderr)}
+    assert set(kinds) == {"full", "sliding"}, proc.stderr
+    assert sum(kinds.values()) <= 160 / 1024 + 2 * 0.005  # each printed to two decimals
     if layout == "pyramid":
-        assert allocated["layer 1"] > allocated["layer 5"]  # the first full-attention layer holds more
+        from ahakv_local import Llama
+
+        with Llama(str(path), kv_budget="160KiB", kv_layer_budgets="pyramid", n_batch=64, verbose=False) as llm:
+            by_layer = llm.kv_stats().kv_group_bytes
+            assert by_layer["layer 1"][0] > by_layer["layer 5"][0]  # the first full-attention layer holds more
+            full = [a for name, (a, _) in by_layer.items() if int(name.split()[1]) % 2]  # layers 1, 3, 5
+            assert llm.kv_stats().kv_kind_bytes["full"] == [sum(full), 0, 3]
