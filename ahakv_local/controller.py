@@ -161,9 +161,10 @@ class KVController:
         counted = self.counted
         self.stats.cells_used = _mean([g.live.size for g in counted])
         self.stats.evicted = _mean([g.evicted for g in counted])
-        decided = [g.decided for g in counted if g.decided is not None]
-        if decided:
-            self.stats.budget = _mean(decided)
+        # what each holds: its last eviction target, or before one (nothing read yet, or stopped mid-read) its budget's
+        targets = [g.budget.target(self.engine.n_past) if g.decided is None else g.decided for g in counted]
+        if None not in targets:  # auto decides its target at an eviction
+            self.stats.budget = _mean(targets)
 
     @property
     def policy(self) -> Policy:
@@ -626,6 +627,7 @@ class KVController:
         # shares found them too (benchmarks/RESULTS.md, "Query-aware reading in each layout")
         if self.shares is not None and not self._guided and self.shares.due(self.engine.n_past):
             gone += self._adapt()
+        self._count()  # the groups' targets too, when nothing went
         return gone
 
     def _adapt(self) -> int:
@@ -738,7 +740,6 @@ class KVController:
         g.obs = None
         g.evicted += k
         self.stats.evictions += 1
-        self._count()
         return k
 
     def _record_mass(self, g: LayerGroup, mass: np.ndarray) -> None:

@@ -534,6 +534,18 @@ def test_the_product_lays_a_cell_budget_out_per_layer(gemma3_fixture, license_te
     assert seen["layer_budgets"] is None  # resolved by the drop-in for the model (budget.default_layer_budgets)
 
 
+@pytest.mark.parametrize("layer_budgets", ["shared", "natural", "adaptive"])
+def test_the_statistics_state_the_budget_before_anything_is_evicted(gemma3_fixture, license_text, layer_budgets):
+    """The statistics state the budget held from the start, before any eviction decided it (chat's line read
+    "cache 55/- cells" when Ctrl-C stopped the reading of a prompt before its first eviction)."""
+    spec = SessionSpec.bounded("ahakv", 64, n_recent=8, evict_every=4, layer_budgets=layer_budgets)
+    with open_session(gemma3_fixture, spec, longest=400, n_ubatch=CHUNK) as s:
+        stats = s.controller.stats
+        assert (stats.cells_used, stats.budget, stats.evicted) == (0, 64, 0)
+        s.controller.prefill(s.engine.tokenize(license_text)[:40])
+        assert (stats.cells_used, stats.budget, stats.evicted) == (40, 64, 0)
+
+
 def test_an_auto_budget_in_caches_sized_for_fewer_cells(gemma3_fixture, license_text):
     """Natural groups in caches sized for a 20-cell budget: 'auto' (a server request's kv_budget) leaves the
     sliding group what its cache has room for (its window would not fit) instead of refusing the request."""
