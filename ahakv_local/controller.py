@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -163,8 +163,7 @@ class KVController:
         self.stats.evicted = _mean([g.evicted for g in counted])
         # what each holds: its last eviction target, or before one (nothing read yet, or stopped mid-read) its budget's
         targets = [g.budget.target(self.engine.n_past) if g.decided is None else g.decided for g in counted]
-        if None not in targets:  # auto decides its target at an eviction
-            self.stats.budget = _mean(targets)
+        self.stats.budget = None if None in targets else _mean(targets)  # auto: none until an eviction decides one
 
     @property
     def policy(self) -> Policy:
@@ -503,9 +502,7 @@ class KVController:
             self._hold(self.allocation(self.config.budget))
         self._pending = 0  # the summed rows may include forgotten positions' queries: drop them
         self.stats.tokens_seen = n
-        self._count()
-        if n == 0:
-            self.stats.budget = None  # the last decision belonged to the forgotten sequence
+        self._count()  # from n = 0, the budget's own target: the last decision belonged to the forgotten sequence
 
     def _record_words(self, start: int, tokens: Sequence[int]) -> None:
         self.words.add(start, tokens)
@@ -660,12 +657,9 @@ class KVController:
                 "layout and budget"
             )
         self.truncate(0)
-        self._resize_to = None
-        for g, h in zip(self.groups, held, strict=True):
-            g.budget = h
-        self.shares.applied({int(g.layers[0]): g.budget for g in self.groups})
-        e.resize_caches(cells)
-        self._tap = None
+        self._hold(replace(self.allocation(self.config.budget), groups=tuple(held), cache_cells=cells))
+        if self._resize_to is not None:
+            self._resize()  # now: llama.cpp loads the state next
 
     def _hold(self, allocation: Allocation) -> None:
         """Give every layer its holding of ``allocation`` (adaptive) and schedule the caches' new sizes (the layers
