@@ -321,6 +321,25 @@ def test_a_new_sequence_starts_from_even_shares(six_layers, license_text, monkey
         assert twice[1:] == once[1:] and once[2] > 0
 
 
+def test_a_restart_replaces_a_decision_not_yet_applied(six_layers, license_text):
+    """A decision resizes the caches just before the next decode; a new sequence started before that decode
+    restores even shares and the first sizes, so the decision is not applied stale (budgets even, caches not)."""
+    spec = SessionSpec.bounded("h2o", "40KiB", n_recent=8, evict_every=4, layer_budgets="adaptive")
+    with open_session(six_layers, spec, longest=400, n_ubatch=CHUNK) as s:
+        c, e = s.controller, s.engine
+        first, toks = e.cache_sizes(), e.tokenize(license_text)[:CHUNK]
+        c.prefill(toks)
+        weights = [1.3 if il == 1 else 0.7 if il == 3 else 1.0 for il in range(6)]  # layers 1, 3, 5: full attention
+        c._hold(c.allocation(c.config.budget, weights))  # as a decision does
+        assert c._resize_to not in (None, first)
+        s.reset()
+        c.prefill(toks)
+        assert e.cache_sizes() == first
+        for g in c.groups:
+            assert g.live.size <= g.budget.target(e.n_past)
+            np.testing.assert_array_equal(g.live, g.read_live(e))
+
+
 def test_a_guided_reading_keeps_the_shares_and_decoding_adapts_after_it(six_layers, license_text, monkeypatch):
     """While a question guides the reading the layers keep their even split (no decision, no resize: the layers of
     a kind rank the question's positions alike and keep the same ones only if they hold as many); once the prompt
