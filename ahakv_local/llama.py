@@ -38,7 +38,7 @@ from .budget import KV_TYPE_AUTO, QUERY_TOKENS, QUESTION_AGNOSTIC, Budget, defau
 from .controller import ControllerStats, KVController
 from .engine import Engine, clear_next_caches, kv_type_params, set_next_caches
 from .errors import AhakvError
-from .info import check_kv_types, read_info
+from .info import check_kv_types, read_info, reading_headers_once
 from .session import SessionSpec, guide
 
 
@@ -122,6 +122,7 @@ class KVStats:
 
 
 class Llama(llama_cpp.Llama):
+    @reading_headers_once()  # the model's header is asked for several times below: read it once
     def __init__(
         self,
         model_path: str,

@@ -166,3 +166,23 @@ def test_big_endian_header(tmp_path):
     write_model(path, "llama", [4, 4], endian=gguf.GGUFEndian.BIG)
     assert_same_as_gguf_reader(path)
     assert read_info(path).n_head == 4
+
+
+def test_the_drop_in_reads_the_header_once_and_a_rewritten_file_again(fixture_model, tmp_path, monkeypatch):
+    """Building the drop-in asks for the model's header in five places (layout, budget, KV type, memory check,
+    engine): one read serves them (reading_headers_once). Outside such a construction every call reads the file,
+    so a model rewritten at the same path is seen as it is now."""
+    from ahakv_local import info
+    from ahakv_local.llama import Llama
+
+    reads = []
+    read = info._read_info
+    monkeypatch.setattr(info, "_read_info", lambda path: reads.append(path) or read(path))
+    with Llama(str(fixture_model), kv_budget=64, kv_type="f16", n_ctx=256, verbose=False):
+        assert reads == [fixture_model]
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(fixture_model.read_bytes())
+    assert read_info(path).architecture == "llama"
+    path.write_bytes(fixture_path(FixtureSpec(arch="gemma3")).read_bytes())
+    assert read_info(path).architecture == "gemma3"
