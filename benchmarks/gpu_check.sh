@@ -8,7 +8,9 @@
 #
 # Each step's full output is kept under OUT; a failing step is recorded and the next one still runs. The lighter
 # settings a slow device needs (benchmarks/vulkan_check.sh) come through the environment:
-#   TESTS       test files (default: the tap-vs-reference, eviction, controller and policy tests)
+#   TESTS       test files (default: the tap-vs-reference, eviction, controller, layer-group and policy tests)
+#   PYTEST_K    a pytest -k expression (e.g. "not 270m and not gemma" where the default model is absent)
+#   MODEL_STEPS 0: skip the tap overhead and `bench speed`, which read the default model (default 1)
 #   TAP_ARGS    arguments of benchmarks/tap_overhead.py  (default: --context 2048 --tokens 32 --rounds 5)
 #   BENCH_ARGS  arguments of `ahakv-local bench speed`   (default: --policies ahakv,h2o,streaming --rounds 3)
 #   BUILD_ARGS  extra arguments of `ahakv-local build`   (e.g. --cmake-args "-DCMAKE_CUDA_ARCHITECTURES=90")
@@ -23,7 +25,7 @@ case "$DEVICE" in cuda | metal | vulkan) ;; *) echo "error: device must be cuda,
 OUT=${2:-benchmarks/out/gpu-$DEVICE}
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-TESTS=${TESTS:-tests/test_native.py tests/test_tap_fixture.py tests/test_tap_gemma.py tests/test_controller.py tests/test_policies_gemma.py}
+TESTS=${TESTS:-tests/test_native.py tests/test_tap_fixture.py tests/test_tap_gemma.py tests/test_controller.py tests/test_layer_groups.py tests/test_per_layer_caches.py tests/test_policies_gemma.py}
 TAP_ARGS=${TAP_ARGS:---context 2048 --tokens 32 --rounds 5}
 BENCH_ARGS=${BENCH_ARGS:---policies ahakv,h2o,streaming --rounds 3}
 mkdir -p "$OUT"
@@ -59,10 +61,12 @@ AHAKV_TEST_DEVICE=$DEVICE "$PY" -c 'import sys; sys.path.insert(0, "tests"); imp
 for t in $TESTS; do
 	name=$(basename "$t" .py)
 	step "$name" "$OUT/$name.txt" env AHAKV_TEST_DEVICE="$DEVICE" "$PY" -m pytest "$t" -q -rfEs -p no:cacheprovider \
-		--junitxml="$OUT/$name.xml"
+		--junitxml="$OUT/$name.xml" ${PYTEST_K:+-k "$PYTEST_K"}
 done
-# shellcheck disable=SC2086  # the argument strings are split on purpose
-step tap_overhead "$OUT/tap_overhead.md" "$PY" benchmarks/tap_overhead.py -ngl -1 $TAP_ARGS --out "$OUT/tap_overhead.json"
-# shellcheck disable=SC2086
-step bench_speed "$OUT/bench_speed.txt" "$PY" -m ahakv_local bench speed -ngl -1 $BENCH_ARGS --out "$OUT/bench"
+if [ "${MODEL_STEPS:-1}" != 0 ]; then
+	# shellcheck disable=SC2086  # the argument strings are split on purpose
+	step tap_overhead "$OUT/tap_overhead.md" "$PY" benchmarks/tap_overhead.py -ngl -1 $TAP_ARGS --out "$OUT/tap_overhead.json"
+	# shellcheck disable=SC2086
+	step bench_speed "$OUT/bench_speed.txt" "$PY" -m ahakv_local bench speed -ngl -1 $BENCH_ARGS --out "$OUT/bench"
+fi
 "$PY" benchmarks/gpu_summary.py "$OUT" | tee "$OUT/summary.md"

@@ -9,8 +9,22 @@ from __future__ import annotations
 
 import numpy as np
 
+import device
+
 F32 = 2.0**-24  # unit roundoff of float32
 F16 = 2.0**-11  # unit roundoff of float16: the K/V cache, and mul_mat's rounding of its F32 operand to F16
+
+# On a device (AHAKV_TEST_DEVICE, tests/device.py) a matrix product may round its F32 operands before multiplying:
+# to F16 (ggml-vulkan's and CUDA's F16 paths, as the CPU does against an F16 weight) or to TF32 (cuBLAS with tensor-op
+# math, whose 10-bit mantissa is F16's): up to F16 relative per operand, where the CPU keeps F32.
+DEVICE_OPERAND = F16 if device.DEVICE else 0.0
+# The fixtures' forward pass against the float64 reference (tests/reference.py), relative to the largest entry. A
+# reduction of n terms is within n * F32 of exact, relative to the sum of its terms' magnitudes, in any summation
+# order (AVX2's 8-wide or AVX-512's 16-wide FMA lanes alike). The longest path to a logit chains ~16 reductions of at
+# most 128 terms (n_ff; attention reads <= 120 positions): 16 * 128 * F32 = 1.2e-4 of the largest entry, worst case
+# (measured on AVX2: <= 3e-6; rounding errors add up like a random walk). On a device: F16 per reduction (its
+# operands' rounding), 16 F16 along the chain.
+FORWARD_RTOL = 16 * F16 if device.DEVICE else 16 * 128 * F32
 
 
 def sum_rtol(n: int) -> float:

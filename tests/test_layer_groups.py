@@ -14,7 +14,9 @@ Fixture: the random-weight gemma3 GGUF (ahakv_local/fixture.py): layer 0 slides 
 
 Numerics. All engines here use F32 K/V caches, so llama.cpp computes in F32. The bounds are built from the unit
 roundoff F32 = 2^-24 (tests/numerics.py) and the sizes of each computation, never from one machine's results;
-each is spelled out where it is used.
+each is spelled out where it is used. With AHAKV_TEST_DEVICE (tests/device.py) every engine here runs on that
+device, whose matrix products may round their operands to F16 first (numerics.DEVICE_OPERAND); the bit-for-bit
+comparisons hold there too (both engines on the same device, the same kernels and shapes).
 """
 
 from __future__ import annotations
@@ -32,16 +34,16 @@ from ahakv_local.fixture import ARCH_HPARAMS, FixtureSpec
 from ahakv_local.models import fixture_path
 from ahakv_local.native import TapFlag
 
+import device
 from capture import Capture
-from numerics import F32, sum_rtol
+from numerics import DEVICE_OPERAND, F32, FORWARD_RTOL, sum_rtol
 from reference import LlamaReference
 
 N_SWA = int(ARCH_HPARAMS["sliding_window"])  # 24
 N_UBATCH = 16
 BASE, SLIDING = LayerCache.BASE, LayerCache.SLIDING
 QK_OPS = {"Qcur-": ("ROPE",), "Kcur-": ("ROPE",)}
-# the forward bound of tests/test_tap_fixture.py: ~16 chained reductions of <= 128 terms, relative to the largest entry
-FORWARD_RTOL = 16 * 128 * F32
+pytestmark = pytest.mark.device
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,10 @@ def gemma3_fixture():
 
 
 def make_engine(path, cap: Capture | None = None, **kw) -> Engine:
-    config = dict(n_ctx=256, n_batch=256, n_ubatch=N_UBATCH, type_k="f32", type_v="f32") | kw
+    config = (
+        dict(n_ctx=256, n_batch=256, n_ubatch=N_UBATCH, type_k="f32", type_v="f32", n_gpu_layers=device.N_GPU_LAYERS)
+        | kw
+    )
     return Engine(path, EngineConfig(**config), cb_eval=cap.callback if cap else None)
 
 
@@ -151,14 +156,15 @@ def test_next_context_setting_is_consumed_once(gemma3_fixture):
 def softmax_row_bound(q, k, p, scale, n_terms):
     """Bound on |p_model - p| for one softmax row of logits scale * q.k, where p is the exact softmax of the
     same (captured) q and k: each logit is a dot product of hd terms (within hd F32 |q||k| of exact, times
-    the scale), rounded again when Q is scaled (F32 |logit| each way); a logit error <= d changes a probability by a
-    factor within exp(+-2d); exp adds ~4 F32 and the sum and the division of n_terms terms (n_terms + 2) F32.
+    the scale; on a device 2 DEVICE_OPERAND |q||k| more, its operands rounded first), rounded again when Q is
+    scaled (F32 |logit| each way); a logit error <= d changes a probability by a factor within exp(+-2d); exp
+    adds ~4 F32 and the sum and the division of n_terms terms (n_terms + 2) F32.
     Below 2^-126 (F32's smallest normal number) F32 loses precision down to zero. Shapes: q [n_head, hd],
     k [n, n_head, hd], p [n_head, n]."""
     hd = q.shape[-1]
     qk = np.linalg.norm(q, axis=-1)[:, None] * np.linalg.norm(k, axis=-1).T  # [n_head, n]
     logits = scale * np.einsum("hd,jhd->hj", q, k)
-    d = (scale * hd * F32 * qk + 2 * F32 * np.abs(logits)).max(axis=1)
+    d = (scale * (hd * F32 + 2 * DEVICE_OPERAND) * qk + 2 * F32 * np.abs(logits)).max(axis=1)
     return (2 * d[:, None] + (n_terms + 6) * F32) * p + 2.0**-126
 
 
@@ -314,7 +320,7 @@ def test_statistics_restart_when_the_sliding_window_reuses_a_cell(gemma3_fixture
         k = cap.tokens(f"Kcur-{il}").astype(np.float64)
         scale = 1.0 / np.sqrt(full.head_dim)
         qk = np.linalg.norm(q, axis=-1).max() * np.linalg.norm(k, axis=-1).max()
-        d = scale * full.head_dim * F32 * qk + 2 * F32 * scale * qk
+        d = scale * (full.head_dim * F32 + 2 * DEVICE_OPERAND) * qk + 2 * F32 * scale * qk
         rel = 2 * d + (N_SWA + 6) * F32 + sum_rtol(n_prompt)
         tol = 2 * rel * expected + n_prompt * 2.0**-126
         err = np.abs(got.values - expected)
@@ -346,7 +352,7 @@ def test_statistics_restart_when_an_evicted_cell_is_reused(fixture_model, licens
         for il, tr in enumerate(traces):
             expected = tr.p.sum(axis=1)[:, live]  # [n_head, n_live]: every row's mass on each live position
             got = e.stat("attn", il).values
-            # FORWARD_RTOL relative to the largest entry (test_tap_fixture.py), plus the sum over 75 rows
+            # FORWARD_RTOL relative to the largest entry (numerics.py), plus the sum over 75 rows
             tol = (FORWARD_RTOL + sum_rtol(75)) * np.abs(expected).max()
             err = np.abs(got - expected)
             assert np.all(err <= tol), f"layer {il}: error {err.max():.3g} > {tol:.3g}"
@@ -363,7 +369,14 @@ def test_gemma3_270m_layer_groups(gemma_model, license_text):
     cap = Capture(("kq_soft_max-",))
     n_ubatch = 128
     cells = (700, 512 + n_ubatch)
-    config = EngineConfig(n_ctx=1024, n_batch=512, n_ubatch=n_ubatch, swa_full=False, cache_cells=cells)
+    config = EngineConfig(
+        n_ctx=1024,
+        n_batch=512,
+        n_ubatch=n_ubatch,
+        swa_full=False,
+        cache_cells=cells,
+        n_gpu_layers=device.N_GPU_LAYERS,
+    )
     with Engine(gemma_model, config, cb_eval=cap.callback) as e:
         assert e.n_swa == 512 and e.layer_cache.count(SLIDING) == 15 and e.layer_cache.count(BASE) == 3
         for il, cache in enumerate(e.layer_cache):

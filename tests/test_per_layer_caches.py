@@ -11,7 +11,8 @@ layers 0, 2 and 4 slide over n_swa = 24 positions, layers 1, 3 and 5 attend to e
 * the model's own softmax rows, read through cb_eval and added up by position in float64, for the tap's
   statistics after per-layer evictions and the reuse of freed cells.
 
-Numerics: F32 K/V caches, so llama.cpp computes in F32; bounds from F32 = 2^-24 (tests/numerics.py).
+Numerics: F32 K/V caches, so llama.cpp computes in F32; bounds from F32 = 2^-24 (tests/numerics.py). With
+AHAKV_TEST_DEVICE every engine here runs on that device (make_engine of tests/test_layer_groups.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from test_layer_groups import QK_OPS, cell_bytes, check_rows_against_reference, 
 
 SLIDES = [True, False, True, False, True, False]  # the six-layer fixture, pattern 2
 PER_LAYER = per_layer_groups(SLIDES)  # (1, 0, 2, 3, 4, 5)
+pytestmark = pytest.mark.device
 
 
 @pytest.fixture(scope="module")
