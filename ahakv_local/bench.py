@@ -271,7 +271,6 @@ def _long(
     decode_tokens: int,
     advance: Callable[[int], None],
 ) -> list[LongRow]:
-    engine = Engine.attach(llm)
     rows, done = [], 0
     for ctx in checkpoints:
         segment = tokens[done:ctx]
@@ -285,6 +284,8 @@ def _long(
         decode_s = time.perf_counter() - t0
         advance(decode_tokens)
         done = ctx + decode_tokens
+        # attached now: a resize of the caches (the adaptive layout) replaces the context an earlier view held
+        engine = Engine.attach(llm)
         used, used_bytes, allocated = engine.n_used(), engine.kv_bytes_used(), engine.kv_bytes()
         rows.append(LongRow(label, ctx, len(segment) / prompt_s, decode_tokens / decode_s, used, used_bytes, allocated))
     return rows
