@@ -106,7 +106,8 @@ def engine_options(f):
             default=None,
             envvar="AHAKV_LAYER_BUDGETS",
             help=f"How the budget is laid out on the layers [default: {DEFAULT_LAYER_BUDGETS} on a model with "
-            "sliding-window and full-attention layers, else natural; serve --parallel: shared]: shared, one pool for "
+            "sliding-window and full-attention layers run on the CPU, else natural; serve --parallel: shared]: "
+            "shared, one pool for "
             "every layer; natural, one group per KV cache (sliding-window models: the sliding layers keep their "
             "window, the full-attention layers the rest); uniform, pyramid and adaptive, one KV cache per layer, each "
             "layer keeping its own tokens (pyramid: lower layers keep more, as PyramidKV; adaptive: layers whose "

@@ -493,8 +493,8 @@ def test_the_command_line_takes_layer_budgets():
     out = CliRunner().invoke(main, ["generate", "--help"]).output
     assert "--layer-budgets [shared|natural|uniform|pyramid|adaptive]" in out and "16MiB" in out
     assert (
-        "[default: adaptive on a model with sliding-window and full-attention layers, else natural; serve --parallel: "
-        "shared]"
+        "[default: adaptive on a model with sliding-window and full-attention layers run on the CPU, else natural; "
+        "serve --parallel: shared]"
     ) in " ".join(out.split()).replace("- ", "-")  # click wraps the help at hyphens
 
 
@@ -532,6 +532,26 @@ def test_the_product_lays_a_cell_budget_out_per_layer(gemma3_fixture, license_te
 
     CliRunner().invoke(cli_module.main, ["generate", str(gemma3_fixture), "-p", "x", "--budget", "64"])
     assert seen["layer_budgets"] is None  # resolved by the drop-in for the model (budget.default_layer_budgets)
+
+
+def test_with_layers_on_a_gpu_the_default_is_natural(gemma3_fixture, monkeypatch):
+    """Offloaded layers (n_gpu_layers, an engine with a GPU) default to ``natural``: on an H200 the per-layer
+    bookkeeping made adaptive read prompts 3.3x and decode 1.7x slower than natural. An explicit layout still
+    holds, and n_gpu_layers on an engine without a GPU offloads nothing and keeps adaptive."""
+    import llama_cpp
+
+    from ahakv_local import Llama
+
+    kw = dict(kv_budget=64, n_ctx=256, n_batch=CHUNK, n_ubatch=CHUNK, verbose=False)
+    gpu = llama_cpp.llama_supports_gpu_offload()
+    with Llama(str(gemma3_fixture), n_gpu_layers=-1, **kw) as llm:
+        assert llm.kv_controller.config.layer_budgets == ("natural" if gpu else "adaptive")
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)  # as a CUDA/Metal/Vulkan engine says
+    for n_gpu_layers, layout, expected in ((-1, None, "natural"), (0, None, "adaptive"), (-1, "adaptive", "adaptive")):
+        with Llama(str(gemma3_fixture), n_gpu_layers=n_gpu_layers, kv_layer_budgets=layout, **kw) as llm:
+            c = llm.kv_controller
+            assert c.config.layer_budgets == expected
+            assert len(c.groups) == (2 if expected == "natural" else llm.kv_engine.n_layer)
 
 
 @pytest.mark.parametrize("layer_budgets", ["shared", "natural", "adaptive"])
