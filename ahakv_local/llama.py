@@ -203,11 +203,17 @@ class Llama(llama_cpp.Llama):
         if kv_type is not None:
             self._use_kv_type(model_path, spec.kv_type, kwargs)
         cells = n_ctx  # a shared ratio or auto budget: the caller's n_ctx bounds the cells
+        # the longest sequence the caches are laid out for: under a cell or byte budget positions run to the trained
+        # context (set_position_bound below), and a full-attention layer's share may grow toward it (at n_ctx, 512
+        # by default, adaptive capped a budget of 1,024 cells at 543); a ratio, auto or no budget, at n_ctx
+        longest = n_ctx
+        if budget.mode in ("bytes", "cells"):
+            longest = max(n_ctx, read_info(Path(model_path)).n_ctx_train)
         if budget.mode in ("bytes", "cells") or kv_layer_budgets != "shared":
             # every cache sized exactly as the budget is laid out on the layer groups (budget.allocate), not padded
             # to 256 cells: no cell past them is allocated or scanned by attention once evictions scatter the live
             # ones over the buffer
-            allocation = spec.allocation_on(model_path, chunk, n_ctx)
+            allocation = spec.allocation_on(model_path, chunk, longest)
             sizes = allocation.cache_cells
             cells = max(sizes)
             kwargs.setdefault("swa_full", not sizes[1])
@@ -220,7 +226,7 @@ class Llama(llama_cpp.Llama):
 
         engine = Engine.attach(self)
         self._kv_engine = engine
-        self._kv = spec.controller(engine, n_ctx)  # the caches were laid out for n_ctx (allocation_on above)
+        self._kv = spec.controller(engine, longest)  # as the caches were laid out (allocation_on above)
         self._kv_reuse_compressed = kv_reuse_compressed
         # positions, not cells, bound a sequence now: the trained context
         upstream.set_position_bound(self, engine.n_ctx_train)

@@ -19,7 +19,16 @@ import numpy as np
 import pytest
 import record_shared_decisions as recorded
 
-from ahakv_local.budget import PER_LAYER, Budget, CacheLayout, allocate, cells_for, pyramid_weights, spread
+from ahakv_local.budget import (
+    PER_LAYER,
+    QUERY_TOKENS,
+    Budget,
+    CacheLayout,
+    allocate,
+    cells_for,
+    pyramid_weights,
+    spread,
+)
 from ahakv_local.engine import LayerCache
 from ahakv_local.errors import AhakvError
 from ahakv_local.fixture import ARCH_HPARAMS, FixtureSpec
@@ -532,6 +541,23 @@ def test_the_product_lays_a_cell_budget_out_per_layer(gemma3_fixture, license_te
 
     CliRunner().invoke(cli_module.main, ["generate", str(gemma3_fixture), "-p", "x", "--budget", "64"])
     assert seen["layer_budgets"] is None  # resolved by the drop-in for the model (budget.default_layer_budgets)
+
+
+@pytest.mark.parametrize("layer_budgets", [None, "natural", "uniform"])
+def test_a_cell_budget_above_n_ctx_is_held_in_every_layout(layer_budgets):
+    """n_ctx (512 by default) does not bound a budgeted sequence, the trained context does: a cell budget above
+    n_ctx is what every full-attention layer holds, in the default (adaptive) layout as in the others (adaptive
+    capped each full-attention layer at n_ctx + one period: 1,024 cells became 543 on Gemma 3 270M)."""
+    from ahakv_local import Llama
+
+    model = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))  # n_ctx_train 4096
+    kw = dict(kv_budget=600, n_ctx=256, n_batch=CHUNK, n_ubatch=CHUNK, kv_layer_budgets=layer_budgets, verbose=False)
+    with Llama(str(model), **kw) as llm:
+        e = llm.kv_engine
+        assert llm.kv_stats().budget == 600
+        full = [il for il in range(e.n_layer) if not e.layer_sliding[il]]
+        cells_for_600 = 600 + CHUNK + 1 + min(QUERY_TOKENS, CHUNK)  # budget.cells_for, with a question's room
+        assert all(e.n_cells(il) == cells_for_600 for il in full)
 
 
 def test_with_layers_on_a_gpu_the_default_is_natural(gemma3_fixture, monkeypatch):
