@@ -75,6 +75,20 @@ def ggml_cdll():
     return _ggml.libggml
 
 
+GPU_DEVICE_TYPES = (1, 2)  # enum ggml_backend_dev_type: GPU, IGPU (0 is the CPU, 3 an accelerator such as BLAS)
+
+
+def gpu_devices() -> int:
+    """How many GPUs (discrete or integrated) the engine registered: where -ngl puts layers without RPC workers.
+    (llama_supports_gpu_offload says yes for any engine built with RPC, whose workers may be absent or CPUs.)"""
+    ggml = ggml_cdll()
+    count, get, kind = ggml.ggml_backend_dev_count, ggml.ggml_backend_dev_get, ggml.ggml_backend_dev_type
+    count.argtypes, count.restype = [], ctypes.c_size_t
+    get.argtypes, get.restype = [ctypes.c_size_t], ctypes.c_void_p
+    kind.argtypes, kind.restype = [ctypes.c_void_p], ctypes.c_int
+    return sum(kind(get(i)) in GPU_DEVICE_TYPES for i in range(count()))
+
+
 @contextlib.contextmanager
 def model_params_hook(adjust: Callable[[Any], None]) -> Iterator[None]:
     """While active, every model ``llama_cpp.Llama`` loads passes its ``llama_model_params`` through ``adjust``

@@ -563,16 +563,18 @@ def test_a_cell_budget_above_n_ctx_is_held_in_every_layout(layer_budgets):
 def test_with_layers_on_a_gpu_the_default_is_natural(gemma3_fixture, monkeypatch):
     """Offloaded layers (n_gpu_layers, an engine with a GPU) default to ``natural``: on an H200 the per-layer
     bookkeeping made adaptive read prompts 3.3x and decode 1.7x slower than natural. An explicit layout still
-    holds, and n_gpu_layers on an engine without a GPU offloads nothing and keeps adaptive."""
-    import llama_cpp
+    holds; n_gpu_layers on an engine without a GPU offloads nothing and keeps adaptive, also when the engine has
+    the RPC backend (for which llama_supports_gpu_offload says yes: `make setup` builds one)."""
+    from ahakv_local import Llama, upstream
 
-    from ahakv_local import Llama
+    import device
 
+    gpus = [reg for reg, _ in device.devices() if reg.lower() in ("cuda", "vulkan", "metal", "mtl", "sycl", "hip")]
+    assert upstream.gpu_devices() == len(gpus)  # the device types against the registries' names
     kw = dict(kv_budget=64, n_ctx=256, n_batch=CHUNK, n_ubatch=CHUNK, verbose=False)
-    gpu = llama_cpp.llama_supports_gpu_offload()
     with Llama(str(gemma3_fixture), n_gpu_layers=-1, **kw) as llm:
-        assert llm.kv_controller.config.layer_budgets == ("natural" if gpu else "adaptive")
-    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)  # as a CUDA/Metal/Vulkan engine says
+        assert llm.kv_controller.config.layer_budgets == ("natural" if gpus else "adaptive")
+    monkeypatch.setattr(upstream, "gpu_devices", lambda: 1)  # as a CUDA, Metal or Vulkan engine on its GPU
     for n_gpu_layers, layout, expected in ((-1, None, "natural"), (0, None, "adaptive"), (-1, "adaptive", "adaptive")):
         with Llama(str(gemma3_fixture), n_gpu_layers=n_gpu_layers, kv_layer_budgets=layout, **kw) as llm:
             c = llm.kv_controller
