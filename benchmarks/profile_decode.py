@@ -5,6 +5,10 @@ how many of the steps' graphs llama.cpp reused rather than rebuilt (``llama_perf
 
     AHAKV_THREADS=1 python benchmarks/profile_decode.py --budget 512 --steps 320
     AHAKV_THREADS=1 python benchmarks/profile_decode.py --layer-budgets adaptive --steps 160
+    python benchmarks/profile_decode.py -ngl -1 --sort tottime   # every layer offloaded (a GPU build)
+
+The steps run twice from the same prompt: once timed without the profiler (the seconds per token inside llama_decode
+and outside it, the controller's own share), once under it.
 """
 
 from __future__ import annotations
@@ -29,27 +33,54 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=320)
     ap.add_argument("--layer-budgets", default="shared", help="the layout (shared, natural, uniform, ...)")
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers offloaded to a GPU (-1: all)")
+    ap.add_argument("--sort", default="cumulative", choices=("cumulative", "tottime"))
     args = ap.parse_args()
     model = default_model_path()
     tokens = file_tokens(model, args.text, 2 * args.budget + args.steps)
     spec = SessionSpec.bounded(args.policy, args.budget, layer_budgets=args.layer_budgets)
-    with open_session(model, spec, len(tokens)) as session:
+    with open_session(model, spec, len(tokens), n_gpu_layers=args.n_gpu_layers) as session:
+        ctl, e = session.controller, session.engine
+        steps = tokens[2 * args.budget :]
+        ctl.prefill(tokens[: 2 * args.budget])
+        decode = _timed_decode(e)
+        start = time.perf_counter()
+        for tok in steps:
+            ctl.step(tok)
+        total = (time.perf_counter() - start) / len(steps) * 1000
+        inside = decode.pop() / len(steps) * 1000
+        del e._run_batch  # the class's method again
+        print(f"{total:.3f} ms per token: {inside:.3f} in llama_decode, {total - inside:.3f} outside (no profiler)")
+
+        session.reset()
         ctl = session.controller
         ctl.prefill(tokens[: 2 * args.budget])
-        before = llama_cpp.llama_perf_context(session.engine.ctx)
+        before = llama_cpp.llama_perf_context(e.ctx)
         profile = cProfile.Profile()
         start = time.perf_counter()
         profile.enable()
-        for tok in tokens[2 * args.budget :]:
+        for tok in steps:
             ctl.step(tok)
         profile.disable()
         print(f"{(time.perf_counter() - start) / args.steps * 1000:.1f} ms per token (under the profiler)")
-        e = session.engine
         after = llama_cpp.llama_perf_context(e.ctx)
         print(f"graphs reused: {after.n_reused - before.n_reused} of {after.n_eval - before.n_eval} decode calls")
         print("cells by layer:", [e.n_cells(il) for il in range(e.n_layer)])  # each layer's cache, as allocated
-    pstats.Stats(profile).sort_stats("cumulative").print_stats(args.top)
+    pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
 
+
+def _timed_decode(engine) -> list[float]:
+    """Time the engine's llama_decode calls (``Engine._run_batch``) from now on; the list holds the seconds."""
+    spent = [0.0]
+    run = engine._run_batch
+
+    def timed() -> None:
+        t0 = time.perf_counter()
+        run()
+        spent[0] += time.perf_counter() - t0
+
+    engine._run_batch = timed
+    return spent
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Last call on the GPU machine, after device.sh and the model's five pieces (/tmp/m/.m0-.m4, one call each):
 # the default model assembled and checked, a stand-in for its PyPI package that points at it, then gpu_check.sh's
-# Gemma 3 270M tests, tap overhead and bench speed with every layer offloaded.
+# Gemma 3 270M tests, tap overhead and bench speed with every layer offloaded (PROFILE=1: then profile_decode.py).
 set -uo pipefail
 t0=$SECONDS
 source "$(dirname "$0")/env.sh"
@@ -27,10 +27,11 @@ TESTS="tests/test_tap_gemma.py tests/test_policies_gemma.py" PYTHON=$PY \
 cat "$RES/summary.md" 2>/dev/null
 [ -n "${OUT:-}" ] && tar czf "$OUT/gpu2.tgz" -C "$(dirname "$RES")" "$(basename "$RES")"
 echo "total $((SECONDS - t0)) s"
-if [ "${PROFILE:-0}" = 1 ]; then  # where the adaptive layout's time goes: one resize, the decode, the evictions
-	for lb in natural adaptive; do
-		echo "=== generate -ngl -1 --layer-budgets $lb (cProfile, by own time)"
-		timeout 100 $PY -m cProfile -s tottime -m ahakv_local generate "$M" -f "$DATA/GPL-3" -n 64 --budget 512 \
-			--layer-budgets $lb -ngl -1 --temp 0 --stats 2>&1 | grep -v '^$' | sed -n '/function calls/,+14p'
+if [ "${PROFILE:-0}" = 1 ]; then  # where a decode step's time goes: llama_decode against the controller around it
+	for run in "ahakv shared" "ahakv natural" "ahakv adaptive" "streaming shared"; do
+		set -- $run
+		echo "=== profile_decode.py -ngl -1 --policy $1 --layer-budgets $2 (by own time)"
+		timeout 100 $PY benchmarks/profile_decode.py -ngl -1 --policy "$1" --layer-budgets "$2" --steps 256 --sort tottime --top 14 2>&1 |
+			grep -v '^$' | grep -v -e 'Ordered by' -e 'List reduced'
 	done
 fi
