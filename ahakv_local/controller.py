@@ -541,9 +541,11 @@ class KVController:
         e = self.engine
         flags = self._flags(self.step_count)
         if not observe:
-            # the norms stay current (turning them on again would recompute them all); a summing
-            # policy keeps the cheap model-softmax tap, which accumulates until the next observation
-            flags &= TapFlag.VNORM | (TapFlag.ATTN if self.policy.accumulates else TapFlag(0))
+            # the norms stay current (turning them on again would recompute them all), and so does the model-softmax
+            # tap where the observed step has it: a summing policy gets the rows as one block, and switching ATTN on
+            # for each observation costs a scheduler reserve and two graph builds (7.9 ms a switch on an H200 against
+            # 8% of a decode for ATTN on every step; 0.7 ms and 1% on this project's CPU: benchmarks/tap_overhead.py)
+            flags &= TapFlag.VNORM | TapFlag.ATTN
         elif self._pending:
             self._observe_block()
         if self._resize_to is not None:
@@ -551,8 +553,8 @@ class KVController:
         if flags & TapFlag.SIDE:
             target = self.groups[0].budget.target(e.n_past + n_tokens) or self.stats.budget or n_tokens
             e.set_side_scale(self.policy.side_scale(e.n_past + n_tokens, target))
-        if observe or (flags & TapFlag.ATTN and not self._pending):  # a new observation or a new block
-            e.reset_stats()
+        if observe or (flags & TapFlag.ATTN and self.policy.accumulates and not self._pending):  # a new block
+            e.reset_stats()  # (another policy's rows between observations are only summed, then dropped here)
         return flags
 
     def _after_decode(self, start: int, flags: TapFlag, observe: bool) -> None:
@@ -564,7 +566,7 @@ class KVController:
                 g.obs = self._observe(g, flags)
                 if flags:
                     g.policy.observe(g.obs)
-        if not observe and flags & TapFlag.ATTN:
+        if not observe and flags & TapFlag.ATTN and self.policy.accumulates:
             self._pending += 1
         self.stats.tokens_seen = e.n_past
         self._count()

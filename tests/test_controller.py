@@ -127,9 +127,10 @@ def test_observe_steps_tap_only_the_steps_before_each_eviction(fixture_model, li
             expected.append((prompt + i + 1, 1))
             pending = 0
         assert observed == expected
-        # unobserved steps run the plain graph (+ the summed softmax for a summing policy); the norms
-        # keep being written either way, so they never need recomputing
-        quiet = TapFlag.ATTN * policy.accumulates | (policy.needs & TapFlag.VNORM)
+        # unobserved steps keep the model's softmax (summed for a summing policy, dropped at the next observation for
+        # another: its observations above read one row each) and the norms, so that an observation switches neither
+        # on again (a scheduler reserve); the side pass and the error term run on the observed steps only
+        quiet = TapFlag.ATTN | (policy.needs & TapFlag.VNORM)
         assert all(flags[i] == (policy.needs | TapFlag.ATTN if i in tapped else quiet) for i in steps)
         assert c.live.size <= 64 and c.stats.evictions - prefill_evictions == sum(
             (prompt + i) % every == 7 for i in steps

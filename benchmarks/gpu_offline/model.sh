@@ -20,7 +20,7 @@ def chunk_paths():
     return [Path("$M")]
 PY
 echo "model ready $((SECONDS - t0)) s"
-TESTS="tests/test_tap_gemma.py tests/test_policies_gemma.py" PYTHON=$PY \
+TESTS=${TESTS:-"tests/test_tap_gemma.py tests/test_policies_gemma.py"} PYTHON=$PY \
 	TAP_ARGS=${TAP_ARGS:-"--context 2048 --tokens 64 --rounds 5"} \
 	BENCH_ARGS=${BENCH_ARGS:-"--text .lic/licenses.txt --policies ahakv,streaming --layer-budgets shared,natural,uniform,adaptive --rounds 2 --long-context 2048,8192,32768"} \
 	timeout 300 bash benchmarks/gpu_check.sh "$DEV" "$RES"
