@@ -544,7 +544,7 @@ class KVController:
             # the norms stay current (turning them on again would recompute them all), and so does the model-softmax
             # tap where the observed step has it: a summing policy gets the rows as one block, and switching ATTN on
             # for each observation costs a scheduler reserve and two graph builds (7.9 ms a switch on an H200 against
-            # 8% of a decode for ATTN on every step; 0.7 ms and 1% on this project's CPU: benchmarks/tap_overhead.py)
+            # 8% of a decode for ATTN on every step; 2.3 ms and 1.8% on this project's CPU: benchmarks/tap_overhead.py)
             flags &= TapFlag.VNORM | TapFlag.ATTN
         elif self._pending:
             self._observe_block()
