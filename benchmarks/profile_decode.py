@@ -82,5 +82,6 @@ def _timed_decode(engine) -> list[float]:
     engine._run_batch = timed
     return spent
 
+
 if __name__ == "__main__":
     main()
