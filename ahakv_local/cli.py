@@ -12,7 +12,7 @@ import click
 
 from . import __version__
 from .budget import DEFAULT_LAYER_BUDGETS, KV_TYPE_AUTO, LAYER_BUDGETS, READINGS
-from .cli_eval import n_gpu_layers_option, rpc_option, threads_option
+from .cli_eval import gpu_layers, n_gpu_layers_option, rpc_option, threads_option
 from .errors import AhakvError
 from .extras import require
 from .info import KV_CACHE_TYPES
@@ -144,7 +144,7 @@ def engine_options(f):
             help="Steps before each eviction whose full statistics the policy reads (0 = every step).",
         ),
         threads_option,
-        n_gpu_layers_option("Layers to offload to the GPU."),
+        n_gpu_layers_option("Layers to offload to the GPU (-1: all).", offload_by_default=True),
         rpc_option,
         click.option(
             "--batch-size",
@@ -225,6 +225,7 @@ def load_llama(
 
     lib()  # refuse an unpatched or missing engine with one line, before llama_cpp is imported
     threads = threads or default_threads()  # llama-cpp-python's own default would be half the cores
+    n_gpu_layers = gpu_layers(n_gpu_layers, rpc)
     from .llama import Llama
 
     batch_size = batch_size or (BUDGETED_BATCH if budget is not None else 512)
@@ -437,6 +438,7 @@ def load_pool(
     from .engine import Engine, EngineConfig
     from .parallel import SequencePool
 
+    n_gpu_layers = gpu_layers(n_gpu_layers)
     batch_size = batch_size or BUDGETED_BATCH
     cells = SequencePool.context_cells(spec.budget, parallel, batch_size, spec.room(batch_size))
     config = EngineConfig(

@@ -37,17 +37,32 @@ def threads_option(f):
     )(f)
 
 
-def n_gpu_layers_option(help: str):
-    """-ngl / AHAKV_N_GPU_LAYERS: layers to offload (-1: all)."""
+def n_gpu_layers_option(help: str, offload_by_default: bool = False):
+    """-ngl / AHAKV_N_GPU_LAYERS: layers to offload (-1: all). With ``offload_by_default`` (the commands a user runs
+    a model with) the default is None, which ``gpu_layers`` resolves once the engine is loaded; the measuring
+    commands keep 0, so that a table means the same machine part wherever it ran."""
+    if offload_by_default:
+        help += " [default: every layer where the engine has a GPU or --rpc workers are given, else none]"
     return click.option(
         "-ngl",
         "--n-gpu-layers",
         type=click.IntRange(min=-1),
-        default=0,
-        show_default=True,
+        default=None if offload_by_default else 0,
+        show_default=not offload_by_default,
         envvar="AHAKV_N_GPU_LAYERS",
         help=help,
     )
+
+
+def gpu_layers(n_gpu_layers: int | None, rpc: tuple[str, ...] | None = None) -> int:
+    """The layers to offload: as given, or by default (None) every layer where the loaded engine has a GPU
+    (``upstream.gpu_devices``) or RPC workers are given, else none, as llama.cpp's own tools and ollama do (a
+    ``build --cuda`` engine ran on the CPU unless told)."""
+    if n_gpu_layers is not None:
+        return n_gpu_layers
+    from . import upstream
+
+    return -1 if rpc or upstream.gpu_devices() else 0
 
 
 def _rpc(rpc: str | None) -> tuple[str, ...]:

@@ -273,6 +273,32 @@ def test_ahakv_threads_is_read_in_one_place(fixture_model, monkeypatch):
         assert llm.context_params.n_threads == llm.kv_engine.config.n_threads == 1
 
 
+def test_the_commands_that_run_a_model_offload_every_layer_where_the_engine_has_a_gpu(monkeypatch):
+    """chat, generate and serve without -ngl offload every layer where the engine registered a GPU (as llama.cpp's own
+    tools and ollama do; a `build --cuda` engine ran on the CPU unless told), or RPC workers are given, and then
+    lay a sliding-window model's caches out as on a GPU (natural); an explicit -ngl holds. The measuring commands
+    keep 0 (their --help says so)."""
+    from ahakv_local import upstream
+    from ahakv_local.cli import load_llama
+    from ahakv_local.cli_eval import gpu_layers
+    from ahakv_local.fixture import FixtureSpec
+    from ahakv_local.models import fixture_path
+
+    path = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
+    kw = dict(ctx_size=256, budget="64", policy="ahakv", sinks=4, recent=8, error_tol=0.05, evict_every=None,
+              observe_steps=1, threads=1, batch_size=None)  # fmt: skip
+    for gpus, given, offloaded in ((0, None, False), (1, None, True), (1, 0, False)):
+        monkeypatch.setattr(upstream, "gpu_devices", lambda n=gpus: n)
+        with load_llama(str(path), n_gpu_layers=given, **kw) as llm:
+            assert (llm.model_params.n_gpu_layers != 0) == offloaded, (gpus, given)
+            assert llm.kv_controller.config.layer_budgets == ("natural" if offloaded else "adaptive"), (gpus, given)
+    monkeypatch.setattr(upstream, "gpu_devices", lambda: 0)
+    assert (gpu_layers(None, ("host:50052",)), gpu_layers(None), gpu_layers(12)) == (-1, 0, 12)
+    for command, default in (("generate", "every layer where the engine has a GPU"), ("bench", "default: 0")):
+        out = ahakv(*(["bench", "speed"] if command == "bench" else [command]), "--help").stdout
+        assert default in " ".join(out.split()), out
+
+
 @pytest.mark.parametrize("layout", ["pyramid", "adaptive"])
 def test_generate_with_one_cache_per_layer(layout):
     """--layer-budgets pyramid / adaptive on a six-layer sliding-window fixture, end to end: the stats sum each kind
