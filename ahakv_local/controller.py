@@ -559,9 +559,8 @@ class KVController:
 
     def _after_decode(self, start: int, flags: TapFlag, observe: bool) -> None:
         e = self.engine
-        new = np.arange(start, e.n_past, dtype=np.int64)
         for g in self.groups:
-            g.live = g.after_decode(e, new)
+            g.decoded(e, start)
             if observe:
                 g.obs = self._observe(g, flags)
                 if flags:

@@ -11,7 +11,7 @@ layer groups, patch 0013), observed over that layer alone (``adaptive`` also res
 
 A sliding group's layers see only the last ``window`` positions. llama.cpp itself hands the cells of
 positions that left the window to new tokens when it needs them, so the group re-reads its live positions
-from the engine after each decode; and what no layer of the group can see any more is evicted first, at
+from the engine when a decode may have done that (``LayerGroup.decoded``); and what no layer of the group can see any more is evicted first, at
 every eviction, protected or not (a sink or a pinned span outside the window is invisible to these layers).
 """
 
@@ -33,13 +33,26 @@ class LayerGroup:
     layers: np.ndarray | None  # the layers it observes; None: every layer
     policy: Policy
     budget: Budget  # what it holds, in cells (ratio, auto or none: decided as the sequence grows)
-    live: np.ndarray  # int64 positions ascending: the native cell map of its cache
+    _live: np.ndarray  # int64 positions ascending, ``live`` once brought up to date
     window: int = 0  # its layers see the last ``window`` positions (0: every position)
     obs: Observation | None = None  # the last observation, aligned with ``live``
     # a question-agnostic reading's score by position (Reconstruct: each position's best; Surprisal: its own)
     best: np.ndarray = field(default_factory=lambda: np.zeros(0))
     decided: int | None = None  # the cells of its last eviction target (auto: the error model's decision)
     evicted: int = 0  # positions it evicted
+    # a sliding group's positions from here to its engine's n_past are decoded but not yet in ``_live`` (``decoded``)
+    _unread: tuple[Engine, int] | None = field(default=None, repr=False)
+
+    @property
+    def live(self) -> np.ndarray:
+        """int64 positions ascending: the native cell map of its cache."""
+        if self._unread is not None:
+            self._catch_up()
+        return self._live
+
+    @live.setter
+    def live(self, positions: np.ndarray) -> None:
+        self._live, self._unread = positions, None
 
     @property
     def map_layer(self) -> int | None:
@@ -54,15 +67,28 @@ class LayerGroup:
     def read_live(self, engine: Engine) -> np.ndarray:
         return engine.live_positions(self.map_layer).astype(np.int64)
 
-    def after_decode(self, engine: Engine, new: np.ndarray) -> np.ndarray:
-        """Its live positions once ``new`` were decoded. A sliding cache may have handed cells of positions that
-        left its window to the new tokens; then it holds fewer than live + new, since llama.cpp removes a
-        position only by reusing its cell (the count is exact: cells are freed, never added, behind our back),
-        and only then is the map read again (15 reads per token on Gemma 3's per-layer layouts otherwise). A
-        context shared by several sequences counts their cells together: there the map is always read."""
-        if self.window and (engine.shared or engine.n_used(self.map_layer) != self.live.size + new.size):
-            return self.read_live(engine)
-        return np.concatenate([self.live, new])
+    def decoded(self, engine: Engine, start: int) -> None:
+        """Positions ``start`` .. n_past - 1 were just decoded. A sliding cache may have handed them cells of positions
+        that left its window; then it holds fewer than live + new, since llama.cpp removes a position only by
+        reusing its cell (the count is exact: cells are freed, never added, behind our back), and only then is the
+        map read again. That count is one native call per sliding cache, 15 a token on Gemma 3's per-layer layouts,
+        for positions nobody reads between observations: a sliding group counts when ``live`` is next read. A
+        context shared by several sequences counts their cells together: there the map is read at once."""
+        if self.window and engine.shared:
+            self.live = self.read_live(engine)
+        elif self.window:
+            if self._unread is None:
+                self._unread = (engine, start)
+        else:
+            self.live = np.concatenate([self._live, np.arange(start, engine.n_past, dtype=np.int64)])
+
+    def _catch_up(self) -> None:
+        (engine, start), self._unread = self._unread, None
+        new = np.arange(start, engine.n_past, dtype=np.int64)
+        if engine.n_used(self.map_layer) != self._live.size + new.size:
+            self._live = self.read_live(engine)
+        else:
+            self._live = np.concatenate([self._live, new])
 
     def outside_window(self, n_seen: int) -> np.ndarray:
         """bool [n]: positions none of its layers can see again (they left the sliding window)."""
