@@ -11,8 +11,9 @@ layer groups, patch 0013), observed over that layer alone (``adaptive`` also res
 
 A sliding group's layers see only the last ``window`` positions. llama.cpp itself hands the cells of
 positions that left the window to new tokens when it needs them, so the group re-reads its live positions
-from the engine when a decode may have done that (``LayerGroup.decoded``); and what no layer of the group can see any more is evicted first, at
-every eviction, protected or not (a sink or a pinned span outside the window is invisible to these layers).
+from the engine when a decode may have done that (``LayerGroup.decoded``); and what no layer of the group can
+see any more is evicted first, at every eviction, protected or not (a sink or a pinned span outside the window
+is invisible to these layers).
 """
 
 from __future__ import annotations
