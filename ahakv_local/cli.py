@@ -411,7 +411,7 @@ def serve(model, host, port, max_tokens_limit, parallel, **engine) -> None:
 
 def load_pool(
     model, parallel, ctx_size, budget, policy, sinks, recent, error_tol, evict_every, observe_steps, threads,
-    n_gpu_layers, batch_size, reading="query", layer_budgets=None, **extra,
+    n_gpu_layers, batch_size, reading="query", layer_budgets=None, rpc=None, **extra,
 ):  # fmt: skip
     """``parallel`` sequence slots of one context for ``serve --parallel``; every user mistake is an AhakvError."""
     from .budget import Budget, parse_schedule
@@ -428,6 +428,10 @@ def load_pool(
         policy, budget, n_sink=sinks, n_recent=recent, evict_every=evict_every, observe_steps=observe_steps,
         reading=reading,
     )  # fmt: skip
+    if rpc is not None:
+        from .rpc import parse_servers
+
+        rpc = parse_servers(rpc)  # a malformed address, before the model is read; reachability when it loads
     from .info import read_info
     from .models import resolve_model
     from .native import lib
@@ -438,12 +442,12 @@ def load_pool(
     from .engine import Engine, EngineConfig
     from .parallel import SequencePool
 
-    n_gpu_layers = gpu_layers(n_gpu_layers)
+    n_gpu_layers = gpu_layers(n_gpu_layers, rpc)
     batch_size = batch_size or BUDGETED_BATCH
     cells = SequencePool.context_cells(spec.budget, parallel, batch_size, spec.room(batch_size))
     config = EngineConfig(
         n_ctx=cells, n_batch=batch_size, n_ubatch=batch_size, n_threads=threads, n_gpu_layers=n_gpu_layers,
-        n_seq=parallel,
+        n_seq=parallel, rpc_servers=rpc or (),
     )  # fmt: skip
     engine = Engine(path, config)
     try:

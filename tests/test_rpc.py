@@ -165,6 +165,24 @@ def test_two_models_of_one_process_share_the_workers(workers, fixture_model, lic
         assert np.array_equal(c.decode(tokens), first)
 
 
+def test_serve_parallel_takes_rpc(workers, fixture_model):
+    """serve --parallel reads the model onto the workers too (it ignored --rpc: every layer stayed on the server),
+    and refuses a malformed address in one line before the model is read."""
+    from ahakv_local.cli import load_pool
+    from ahakv_local.errors import AhakvError
+
+    kw = dict(ctx_size=None, budget="48", policy="ahakv", sinks=4, recent=8, error_tol=0.05, evict_every=None,
+              observe_steps=1, threads=1, n_gpu_layers=None, batch_size=16)  # fmt: skip
+    with pytest.raises(AhakvError, match="bad RPC worker address 'nohost'"):
+        load_pool("fixture", 2, rpc="nohost", **kw)
+    pool = load_pool(str(fixture_model), 2, rpc=workers, **kw)
+    try:
+        assert pool.engine.config.rpc_servers == tuple(workers.split(","))
+        assert pool.engine.config.n_gpu_layers == -1  # every layer on the workers (-ngl not given)
+    finally:
+        pool.engine.close()
+
+
 def test_gemma_ahakv_budget_128_greedy_equals_local_without_repacking(workers, gemma_model, license_text):
     spec = SessionSpec.bounded("ahakv", 128)
 
