@@ -560,6 +560,34 @@ def test_a_cell_budget_above_n_ctx_is_held_in_every_layout(layer_budgets):
         assert all(e.n_cells(il) == cells_for_600 for il in full)
 
 
+def test_a_sliding_group_catches_up_with_its_cache_when_read(license_text):
+    """Between observations a sliding group does not count its cache's cells after every decode (``LayerGroup.decoded``:
+    15 native calls a token on Gemma 3's per-layer layouts); read after many steps in which llama.cpp handed cells of
+    positions that left the window to new tokens, its positions are still its cache's native map."""
+    path = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))  # layers 0, 2, 4 slide over 24 positions
+    spec = SessionSpec.bounded("ahakv", 64, n_recent=8, evict_every=32, layer_budgets="uniform")
+    with open_session(path, spec, longest=400, n_ubatch=CHUNK) as s:
+        c, e = s.controller, s.engine
+        toks = e.tokenize(license_text)[:200]
+        c.prefill(toks[:96])  # past one eviction
+        counted = []
+        n_used = e.n_used
+        e.n_used = lambda layer=None: counted.append(layer) or n_used(layer)
+        while (e.n_past + 1) % 32 != 31:  # the steps up to the next observed one, none of them observed
+            c.step(toks[e.n_past])
+        sliding = [g for g in c.groups if g.window]
+        assert not counted and all(g._unread is not None for g in sliding)
+        reused = 0
+        for g in sliding:
+            held, (_, start) = g._live.size, g._unread
+            np.testing.assert_array_equal(g.live, g.read_live(e), f"{g.name}: live != native map")
+            reused += g.live.size < held + e.n_past - start  # a cell went to a new token: the map was read again
+        assert reused  # the steps above did exercise llama.cpp's reuse of cells past the window
+        assert counted == [g.map_layer for g in sliding]  # one count each, when read
+        for g in c.groups:
+            np.testing.assert_array_equal(g.live, g.read_live(e), f"{g.name}: live != native map")
+
+
 def test_with_layers_on_a_gpu_the_default_is_natural(gemma3_fixture, monkeypatch):
     """Offloaded layers (n_gpu_layers, an engine with a GPU) default to ``natural``: on an H200 the per-layer
     bookkeeping made adaptive read prompts 3.3x and decode 1.7x slower than natural. An explicit layout still
