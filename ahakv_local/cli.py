@@ -12,7 +12,7 @@ import click
 
 from . import __version__
 from .budget import DEFAULT_LAYER_BUDGETS, KV_TYPE_AUTO, LAYER_BUDGETS, READINGS
-from .cli_eval import gpu_layers, n_gpu_layers_option, rpc_option, threads_option
+from .cli_eval import gpu_layers, n_gpu_layers_option, offloads_by_default, rpc_option, threads_option
 from .errors import AhakvError
 from .extras import require
 from .info import KV_CACHE_TYPES
@@ -363,7 +363,9 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets) -> None:
     from .budget import default_layer_budgets
     from .session import SessionSpec
 
-    layer_budgets = layer_budgets or default_layer_budgets(model_info.n_layer_swa, model_info.n_layer)
+    layer_budgets = layer_budgets or default_layer_budgets(
+        model_info.n_layer_swa, model_info.n_layer, offloads_by_default()
+    )
     spec = SessionSpec.bounded("ahakv", budget, layer_budgets=layer_budgets, reading="query")
     allocation = spec.allocation(model_info.cache_layout(), BUDGETED_BATCH, ctx_size or model_info.n_ctx_train)
     at = BudgetAllocation(budget, layer_budgets, allocation.layer_cells(model_info.layer_sliding), BUDGETED_BATCH)

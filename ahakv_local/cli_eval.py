@@ -65,6 +65,15 @@ def gpu_layers(n_gpu_layers: int | None, rpc: tuple[str, ...] | None = None) -> 
     return -1 if rpc or upstream.gpu_devices() else 0
 
 
+def offloads_by_default() -> bool:
+    """Whether chat, generate and serve put the layers on a GPU when not told (``gpu_layers``), as ``info`` states
+    their layout; False where the engine does not load (``info`` reads GGUF headers only)."""
+    try:
+        return gpu_layers(None) != 0
+    except (ImportError, OSError, AttributeError):  # no engine, or a libggml without the device registry
+        return False
+
+
 def _rpc(rpc: str | None) -> tuple[str, ...]:
     from .rpc import parse_servers
 

@@ -276,10 +276,12 @@ def test_ahakv_threads_is_read_in_one_place(fixture_model, monkeypatch):
 def test_the_commands_that_run_a_model_offload_every_layer_where_the_engine_has_a_gpu(monkeypatch):
     """chat, generate and serve without -ngl offload every layer where the engine registered a GPU (as llama.cpp's own
     tools and ollama do; a `build --cuda` engine ran on the CPU unless told), or RPC workers are given, and then
-    lay a sliding-window model's caches out as on a GPU (natural); an explicit -ngl holds. The measuring commands
-    keep 0 (their --help says so)."""
+    lay a sliding-window model's caches out as on a GPU (natural), which info states; an explicit -ngl holds. The
+    measuring commands keep 0 (their --help says so)."""
+    from click.testing import CliRunner
+
     from ahakv_local import upstream
-    from ahakv_local.cli import load_llama
+    from ahakv_local.cli import load_llama, main
     from ahakv_local.cli_eval import gpu_layers
     from ahakv_local.fixture import FixtureSpec
     from ahakv_local.models import fixture_path
@@ -294,6 +296,11 @@ def test_the_commands_that_run_a_model_offload_every_layer_where_the_engine_has_
             assert llm.kv_controller.config.layer_budgets == ("natural" if offloaded else "adaptive"), (gpus, given)
     monkeypatch.setattr(upstream, "gpu_devices", lambda: 0)
     assert (gpu_layers(None, ("host:50052",)), gpu_layers(None), gpu_layers(12)) == (-1, 0, 12)
+    # info states the layout generate would take on this engine
+    for gpus, layout in ((0, "adaptive"), (1, "natural")):
+        monkeypatch.setattr(upstream, "gpu_devices", lambda n=gpus: n)
+        said = CliRunner().invoke(main, ["info", str(path), "--budget", "64"])
+        assert said.exit_code == 0 and f"64 cells, {layout} layer budgets" in said.output, said.output
     for command, default in (("generate", "every layer where the engine has a GPU"), ("bench", "default: 0")):
         out = ahakv(*(["bench", "speed"] if command == "bench" else [command]), "--help").stdout
         assert default in " ".join(out.split()), out
