@@ -12,7 +12,7 @@ import click
 
 from . import __version__
 from .budget import DEFAULT_LAYER_BUDGETS, KV_TYPE_AUTO, LAYER_BUDGETS, READINGS
-from .cli_eval import gpu_layers, n_gpu_layers_option, offloads_by_default, rpc_option, threads_option
+from .cli_eval import gpu_layers, n_gpu_layers_option, offloads_by_default, parse_rpc, rpc_option, threads_option
 from .errors import AhakvError
 from .extras import require
 from .info import KV_CACHE_TYPES
@@ -214,10 +214,7 @@ def load_llama(
     if budget is not None:
         Budget.parse(budget)  # a clear error for a malformed budget; the controller checks its size
     evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
-    if rpc is not None:
-        from .rpc import parse_servers
-
-        rpc = parse_servers(rpc)  # a malformed address, before the model is read; reachability when it loads
+    rpc = parse_rpc(rpc)  # reachability when the model loads
     path = resolve_model(model, progress=True)
     read_info(path)  # a clear error for an unsupported architecture before llama.cpp tries
     from .engine import default_threads
@@ -430,10 +427,7 @@ def load_pool(
         policy, budget, n_sink=sinks, n_recent=recent, evict_every=evict_every, observe_steps=observe_steps,
         reading=reading,
     )  # fmt: skip
-    if rpc is not None:
-        from .rpc import parse_servers
-
-        rpc = parse_servers(rpc)  # a malformed address, before the model is read; reachability when it loads
+    rpc = parse_rpc(rpc)  # reachability when the model loads
     from .info import read_info
     from .models import resolve_model
     from .native import lib
@@ -449,7 +443,7 @@ def load_pool(
     cells = SequencePool.context_cells(spec.budget, parallel, batch_size, spec.room(batch_size))
     config = EngineConfig(
         n_ctx=cells, n_batch=batch_size, n_ubatch=batch_size, n_threads=threads, n_gpu_layers=n_gpu_layers,
-        n_seq=parallel, rpc_servers=rpc or (),
+        n_seq=parallel, rpc_servers=rpc,
     )  # fmt: skip
     engine = Engine(path, config)
     try:

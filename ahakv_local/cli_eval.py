@@ -60,9 +60,9 @@ def gpu_layers(n_gpu_layers: int | None, rpc: tuple[str, ...] | None = None) -> 
     ``build --cuda`` engine ran on the CPU unless told)."""
     if n_gpu_layers is not None:
         return n_gpu_layers
-    from . import upstream
+    from .upstream import offload_target
 
-    return -1 if rpc or upstream.gpu_devices() else 0
+    return -1 if offload_target(rpc or ()) else 0
 
 
 def offloads_by_default() -> bool:
@@ -74,7 +74,8 @@ def offloads_by_default() -> bool:
         return False
 
 
-def _rpc(rpc: str | None) -> tuple[str, ...]:
+def parse_rpc(rpc: str | None) -> tuple[str, ...]:
+    """--rpc's workers, checked (a malformed address is one line, before the model is read); () without it."""
     from .rpc import parse_servers
 
     return parse_servers(rpc) if rpc is not None else ()
@@ -192,7 +193,7 @@ def eval_ppl(
     from .policies.ahakv import ABLATIONS
     from .report import write_ppl_report
 
-    rpc_servers = _rpc(rpc)
+    rpc_servers = parse_rpc(rpc)
     path = _model(model)
     ids = text_tokens(path, _read(text_file))[:tokens]
     if len(ids) <= prefix + 1:
@@ -250,7 +251,7 @@ def eval_needle(
     from .needle import run_needle
     from .report import write_needle_report
 
-    rpc_servers = _rpc(rpc)
+    rpc_servers = parse_rpc(rpc)
     path = _model(model)
     filler = _read(filler_file)
     lens, deps = _lengths_and_depths(lengths, depths)
@@ -321,7 +322,7 @@ def eval_longdoc(
     from .longdoc import ANSWER_TOKENS, TASKS, default_filler_files, parse_compressions, run_longdoc, specs_rule
     from .report import write_longdoc_report
 
-    rpc_servers = _rpc(rpc)
+    rpc_servers = parse_rpc(rpc)
     task_list = [t.strip() for t in tasks.split(",") if t.strip()]
     unknown = [t for t in task_list if t not in TASKS]
     if unknown or not task_list:

@@ -180,7 +180,7 @@ class Llama(llama_cpp.Llama):
             reading = "reconstruct"
         if kv_layer_budgets is None:  # the product's layout for this model's kinds of layers
             info = read_info(Path(model_path))
-            offloaded = kwargs.get("n_gpu_layers", 0) != 0 and bool(self.rpc_servers or upstream.gpu_devices())
+            offloaded = kwargs.get("n_gpu_layers", 0) != 0 and upstream.offload_target(self.rpc_servers)
             kv_layer_budgets = default_layer_budgets(info.n_layer_swa, info.n_layer, offloaded)
         # an unknown policy or a policy without a budget fails here, before the model loads
         spec = SessionSpec.bounded(

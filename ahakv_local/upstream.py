@@ -14,7 +14,7 @@ import ctypes
 import importlib
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .errors import EngineNotPatched
@@ -87,6 +87,11 @@ def gpu_devices() -> int:
     get.argtypes, get.restype = [ctypes.c_size_t], ctypes.c_void_p
     kind.argtypes, kind.restype = [ctypes.c_void_p], ctypes.c_int
     return sum(kind(get(i)) in GPU_DEVICE_TYPES for i in range(count()))
+
+
+def offload_target(rpc_servers: Sequence[str] = ()) -> bool:
+    """Whether layers offloaded with n_gpu_layers leave the CPU: RPC workers are given, or the engine has a GPU."""
+    return bool(rpc_servers) or gpu_devices() > 0
 
 
 @contextlib.contextmanager
