@@ -1,11 +1,13 @@
 """Where a budgeted decode step spends its time: cProfile over AhaKV decode steps (KVController.step) after a
-prompt twice the budget, in a session opened as the product opens one. Prints the seconds per token and the
-top functions by cumulative time (llama_decode is ``Engine._run_batch``; the rest is the controller and policy), and
-how many of the steps' graphs llama.cpp reused rather than rebuilt (``llama_perf_context``'s ``n_reused``).
+prompt twice the budget (or ``--context`` tokens), in a session opened as the product opens one. Prints the seconds
+per token and the top functions by cumulative time (llama_decode is ``Engine._run_batch``; the rest is the controller
+and policy), and how many of the steps' graphs llama.cpp reused rather than rebuilt (``llama_perf_context``'s
+``n_reused``).
 
     AHAKV_THREADS=1 python benchmarks/profile_decode.py --budget 512 --steps 320
     AHAKV_THREADS=1 python benchmarks/profile_decode.py --layer-budgets adaptive --steps 160
     python benchmarks/profile_decode.py -ngl -1 --sort tottime   # every layer offloaded (a GPU build)
+    python benchmarks/profile_decode.py --context 32768 --steps 128  # the steps after a long prompt
 
 The steps run twice from the same prompt: once timed without the profiler (the seconds per token inside llama_decode
 and outside it, the controller's own share), once under it.
@@ -31,18 +33,20 @@ def main() -> None:
     ap.add_argument("--policy", default="ahakv")
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--steps", type=int, default=320)
+    ap.add_argument("--context", type=int, default=0, help="prompt tokens before the steps (default: twice the budget)")
     ap.add_argument("--layer-budgets", default="shared", help="the layout (shared, natural, uniform, ...)")
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers offloaded to a GPU (-1: all)")
     ap.add_argument("--sort", default="cumulative", choices=("cumulative", "tottime"))
     args = ap.parse_args()
     model = default_model_path()
-    tokens = file_tokens(model, args.text, 2 * args.budget + args.steps)
+    n_prompt = args.context or 2 * args.budget
+    tokens = file_tokens(model, args.text, n_prompt + args.steps)
     spec = SessionSpec.bounded(args.policy, args.budget, layer_budgets=args.layer_budgets)
     with open_session(model, spec, len(tokens), n_gpu_layers=args.n_gpu_layers) as session:
         ctl, e = session.controller, session.engine
-        steps = tokens[2 * args.budget :]
-        ctl.prefill(tokens[: 2 * args.budget])
+        steps = tokens[n_prompt:]
+        ctl.prefill(tokens[:n_prompt])
         decode = _timed_decode(e)
         start = time.perf_counter()
         for tok in steps:
@@ -54,7 +58,7 @@ def main() -> None:
 
         session.reset()
         ctl = session.controller
-        ctl.prefill(tokens[: 2 * args.budget])
+        ctl.prefill(tokens[:n_prompt])
         before = llama_cpp.llama_perf_context(e.ctx)
         profile = cProfile.Profile()
         start = time.perf_counter()
