@@ -316,7 +316,10 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
         s = llm.kv_stats()
         budget = s.budget if s.budget is not None else "-"
         click.echo(
-            f"prompt {s.prompt_tokens} tok at {s.prompt_tps:.1f} t/s | generated {s.sampled_tokens} tok at "
+            f"prompt {s.prompt_tokens} tok at {s.prompt_tps:.1f} t/s"
+            # a guided reading decodes its question behind each chunk: what the prompt's speed paid for
+            + (f" ({s.guide_tokens} more decoded to guide it)" if s.guide_tokens else "")
+            + f" | generated {s.sampled_tokens} tok at "
             f"{s.generation_tps:.1f} t/s | cache {s.cells_used}/{budget} cells ({s.kv_cells} allocated, "
             f"{s.kv_bytes / 2**20:.1f} MiB KV, {s.kv_type}) | seen {s.tokens_seen} | evicted {s.evicted}"
             + "".join(

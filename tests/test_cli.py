@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -106,7 +107,8 @@ def test_generate_holds_the_budget_and_reports(fixture_model):
     )
     assert proc.returncode == 0, proc.stderr
     m = re.search(
-        r"prompt (\d+) tok at [\d.]+ t/s \| generated (\d+) tok at [\d.]+ t/s \| cache (\d+)/(\d+) cells "
+        r"prompt (\d+) tok at [\d.]+ t/s(?: \(\d+ more decoded to guide it\))? \| generated (\d+) tok at [\d.]+ t/s \| "
+        r"cache (\d+)/(\d+) cells "
         r"\((\d+) allocated, [\d.]+ MiB KV, f16\) \| seen (\d+) \| evicted (\d+)",
         proc.stderr,
     )
@@ -118,6 +120,24 @@ def test_generate_holds_the_budget_and_reports(fixture_model):
     # exactly the budget, a chunk of 64, the newest token and the room of a question-guided reading (64)
     assert used <= budget == 48 and allocated == 48 + 64 + 1 + 64
     assert evicted == seen - used > 0
+
+
+def test_generate_says_what_guiding_a_long_prompt_cost(fixture_model):
+    """A prompt longer than the budget is read guided by its last paragraph (here the whole prompt, cut to the 64
+    cells of room a question has): 64 question tokens behind every chunk of 64 but the last, which ends the prompt
+    and is read once. --reading plain decodes none."""
+    prompt = "the quick brown fox " * 40
+
+    def stats(*extra: str) -> tuple[int, int]:
+        proc = ahakv("generate", str(fixture_model), "-n", "1", "--budget", "48", "--stats", *extra, stdin=prompt)
+        assert proc.returncode == 0, proc.stderr
+        m = re.search(r"prompt (\d+) tok at [\d.]+ t/s(?: \((\d+) more decoded to guide it\))? \|", proc.stderr)
+        assert m, proc.stderr
+        return int(m.group(1)), int(m.group(2) or 0)
+
+    n_prompt, guided = stats()
+    assert n_prompt > 128 and guided == (math.ceil(n_prompt / 64) - 1) * 64
+    assert stats("--reading", "plain") == (n_prompt, 0)
 
 
 def test_info_reports_the_savings(gemma_model):
