@@ -123,9 +123,9 @@ def test_generate_holds_the_budget_and_reports(fixture_model):
 
 
 def test_generate_says_what_guiding_a_long_prompt_cost(fixture_model):
-    """A prompt longer than the budget is read guided by its last paragraph (here the whole prompt, cut to the 64
-    cells of room a question has): 64 question tokens behind every chunk of 64 but the last, which ends the prompt
-    and is read once. --reading plain decodes none."""
+    """A prompt longer than the budget is read guided by its last paragraph (here the whole prompt: its last 128
+    tokens, halved to the 64 that fit the free cells behind a chunk of a 48-cell budget): 64 question tokens behind
+    every chunk of 64 but the last, which ends the prompt and is read once. --reading plain decodes none."""
     prompt = "the quick brown fox " * 40
 
     def stats(*extra: str) -> tuple[int, int]:
