@@ -1,13 +1,18 @@
 """What the benchmark scripts here share: a text file as the model's tokens, license texts by name, the command
-line that ran, and a report written as JSON with its markdown table beside it (same name, .md)."""
+line that ran, the time spent inside llama_decode, and a report written as JSON with its markdown table beside it
+(same name, .md)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+from ahakv_local.engine import Engine
 from ahakv_local.evaluation import text_tokens
 from ahakv_local.longdoc import LICENSES
 
@@ -17,6 +22,24 @@ def file_tokens(model: Path, path: str | Path, n: int | None = None) -> list[int
     other, a blank line between (a document longer than any one license text, for 16K-token runs)."""
     text = "\n\n".join(Path(p).read_text(encoding="utf-8") for p in str(path).split("+"))
     return text_tokens(model, text)[:n]
+
+
+@contextlib.contextmanager
+def llama_decode_times() -> Iterator[list[float]]:
+    """While active, the seconds of every engine's llama_decode call (``Engine._run_batch``), one entry a call."""
+    run = Engine._run_batch
+    seconds: list[float] = []
+
+    def timed(self: Engine) -> None:
+        t0 = time.perf_counter()
+        run(self)
+        seconds.append(time.perf_counter() - t0)
+
+    Engine._run_batch = timed
+    try:
+        yield seconds
+    finally:
+        Engine._run_batch = run
 
 
 def license_texts(names: str) -> list[str]:

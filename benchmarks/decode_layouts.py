@@ -28,7 +28,7 @@ from collections import defaultdict
 
 import llama_cpp
 import numpy as np
-from common import file_tokens  # benchmarks/ is the script's directory: sys.path[0]
+from common import file_tokens, llama_decode_times  # benchmarks/ is the script's directory: sys.path[0]
 
 from ahakv_local import upstream
 from ahakv_local.budget import LAYER_BUDGETS
@@ -65,15 +65,6 @@ def one(layout: str, args: argparse.Namespace) -> tuple[float, float] | dict:
     model = default_model_path()
     tokens = file_tokens(model, args.text, 2 * args.budget + args.steps)
     spec = SessionSpec.bounded("ahakv", args.budget, layer_budgets=layout)
-    inside: list[float] = []
-    run_batch = Engine._run_batch
-
-    def timed(self, *a, **kw):
-        t0 = time.perf_counter()
-        out = run_batch(self, *a, **kw)
-        inside.append(time.perf_counter() - t0)
-        return out
-
     steps: list[float] = []
     timer, init = NodeTimer() if args.nodes else None, Engine.__init__
     if timer:
@@ -85,16 +76,16 @@ def one(layout: str, args: argparse.Namespace) -> tuple[float, float] | dict:
             ctl.shares.next_at = ctl.shares.every = sys.maxsize  # no decision after the prompt
         if variant == "moved":  # the first step moves the sequence to a new context of the same sizes
             ctl.schedule_resize(session.engine.cache_sizes())
-        Engine._run_batch = timed
         if timer:
             timer.on = True
         try:
-            for tok in tokens[2 * args.budget :]:
-                t0 = time.perf_counter()
-                ctl.step(tok)
-                steps.append(time.perf_counter() - t0)
+            with llama_decode_times() as inside:
+                for tok in tokens[2 * args.budget :]:
+                    t0 = time.perf_counter()
+                    ctl.step(tok)
+                    steps.append(time.perf_counter() - t0)
         finally:
-            Engine._run_batch, Engine.__init__ = run_batch, init
+            Engine.__init__ = init
         cells = [session.engine.cache_cells(c) for c in session.engine.layer_cache]  # by layer
     if timer:
         return {"cells": cells, "ms": {k: 1000 * v / args.steps for k, v in timer.seconds.items()}}

@@ -21,7 +21,7 @@ import pstats
 import time
 
 import llama_cpp
-from common import file_tokens  # benchmarks/ is the script's directory: sys.path[0]
+from common import file_tokens, llama_decode_times  # benchmarks/ is the script's directory: sys.path[0]
 
 from ahakv_local.models import default_model_path
 from ahakv_local.session import SessionSpec, open_session
@@ -47,13 +47,12 @@ def main() -> None:
         ctl, e = session.controller, session.engine
         steps = tokens[n_prompt:]
         ctl.prefill(tokens[:n_prompt])
-        decode = _timed_decode(e)
-        start = time.perf_counter()
-        for tok in steps:
-            ctl.step(tok)
-        total = (time.perf_counter() - start) / len(steps) * 1000
-        inside = decode.pop() / len(steps) * 1000
-        del e._run_batch  # the class's method again
+        with llama_decode_times() as calls:
+            start = time.perf_counter()
+            for tok in steps:
+                ctl.step(tok)
+            total = (time.perf_counter() - start) / len(steps) * 1000
+        inside = sum(calls) / len(steps) * 1000
         print(f"{total:.3f} ms per token: {inside:.3f} in llama_decode, {total - inside:.3f} outside (no profiler)")
 
         session.reset()
@@ -66,25 +65,11 @@ def main() -> None:
         for tok in steps:
             ctl.step(tok)
         profile.disable()
-        print(f"{(time.perf_counter() - start) / args.steps * 1000:.1f} ms per token (under the profiler)")
+        print(f"{(time.perf_counter() - start) / len(steps) * 1000:.1f} ms per token (under the profiler)")
         after = llama_cpp.llama_perf_context(e.ctx)
         print(f"graphs reused: {after.n_reused - before.n_reused} of {after.n_eval - before.n_eval} decode calls")
         print("cells by layer:", [e.n_cells(il) for il in range(e.n_layer)])  # each layer's cache, as allocated
     pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
-
-
-def _timed_decode(engine) -> list[float]:
-    """Time the engine's llama_decode calls (``Engine._run_batch``) from now on; the list holds the seconds."""
-    spent = [0.0]
-    run = engine._run_batch
-
-    def timed() -> None:
-        t0 = time.perf_counter()
-        run()
-        spent[0] += time.perf_counter() - t0
-
-    engine._run_batch = timed
-    return spent
 
 
 if __name__ == "__main__":
