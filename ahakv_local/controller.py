@@ -681,7 +681,6 @@ class KVController:
         e, cells = self.engine, self._resize_to
         self._resize_to = None
         e.resize_caches(cells)
-        self._tap = None  # the new context taps nothing until told
         for g in self.groups:
             if g.window:  # llama.cpp reads back only what a sliding cache's window still sees
                 g.live, g.obs = g.read_live(e), None

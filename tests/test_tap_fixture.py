@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ahakv_local import upstream
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.native import TapFlag
 
@@ -157,6 +158,49 @@ def test_switching_the_softmax_on_reads_every_layers_own(fixture_model, ref, lic
         _, traces = ref.forward(toks)
         for il, tr in enumerate(traces):
             assert_close(e.stat("attn", il).values, tr.p[:, 42, :], FORWARD_RTOL, f"attn layer {il}")
+
+
+@pytest.mark.parametrize(
+    "between, reserves",
+    [(TapFlag.VNORM | TapFlag.ATTN, 0), (TapFlag.VNORM, 1)],
+    ids=["attn-kept-on", "attn-switched-on"],
+)
+def test_a_resized_context_keeps_the_tap_and_reserves_nothing_more(
+    fixture_model, ref, license_text, capsys, between, reserves
+):
+    """A resize (adaptive layer budgets) moves the sequence to a new context. It is made tapped as the old one and
+    planned with every flag the old one had (patch 0020): the observed step's switch to every statistic afterwards
+    reserves nothing, and only switching ATTN on reserves, as in any context (patch 0015). Each layer's one-row
+    statistics in the new context are its own (the hazard of 0015: a plan where the layers' softmaxes share
+    memory). llama.cpp logs each reserve ("sched_reserve: reserving ..."), counted here."""
+    with make_engine(fixture_model) as e:
+        toks = tokens_of(e, license_text, 44)
+        e.set_tap(ALL, 1)
+        e.decode(toks[:40])
+        e.set_tap(between, 1)
+        e.decode([toks[40]])
+        e.resize_caches((100, 0))
+        upstream.set_verbose(True)
+        try:
+            capsys.readouterr()
+            e.set_tap(between, 1)  # the controller sets its tap again after a resize: nothing changes
+            e.decode([toks[41]])
+            e.set_tap(ALL, 1)
+            e.reset_stats()
+            e.decode([toks[42]])
+            e.set_tap(between, 1)
+            e.decode([toks[43]])
+            log = capsys.readouterr().err
+        finally:
+            upstream.set_verbose(False)
+        assert e.n_cells() == 100 and log.count("reserving ...") == reserves, log
+        _, traces = ref.forward(toks)
+        for il, tr in enumerate(traces):
+            if between & TapFlag.ATTN:  # summed since the reset: rows 42 and 43
+                assert_close(e.stat("attn", il).values, tr.p[:, 42:44, :].sum(axis=1), FORWARD_RTOL, f"attn {il}")
+            else:
+                assert_close(e.stat("attn", il).values, tr.p[:, 42, :], FORWARD_RTOL, f"attn layer {il}")
+            assert_verr(e, il, tr, slice(42, 43))
 
 
 @pytest.mark.parametrize("flash_attn", [False, True])
