@@ -8,6 +8,7 @@ made as before that patch: no tap until the controller sets one, so its first de
 (ATTN on) and its first observed step once more (the side pass and the error term appear).
 
     AHAKV_THREADS=2 python benchmarks/resize_cost.py --rounds 8
+    python benchmarks/resize_cost.py -ngl -1   # every layer offloaded (a GPU build), where a reserve costs ~10 ms
 
 Prints milliseconds (medians over the rounds): the move, llama_decode of the first step and of the first observed
 step after it, and a steady step (the median step of the period) for reference.
@@ -31,13 +32,14 @@ def main() -> None:
     ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=8, help="resizes timed in each way")
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers offloaded to a GPU (-1: all)")
     args = ap.parse_args()
     model = default_model_path()
     prompt = 2 * args.budget
     spec = SessionSpec.bounded("ahakv", args.budget, layer_budgets="adaptive")
     tokens = file_tokens(model, args.text, prompt + (2 * args.rounds + 2) * 64)  # periods of at most 64 steps
     rows: dict[str, list[tuple[float, float, float, float]]] = {"carried": [], "untapped": []}
-    with open_session(model, spec, len(tokens)) as session:
+    with open_session(model, spec, len(tokens), n_gpu_layers=args.n_gpu_layers) as session:
         ctl, e = session.controller, session.engine
         period = ctl.config.evict_every  # the observed step is the last of each period
         ctl.prefill(tokens[:prompt])
