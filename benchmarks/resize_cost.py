@@ -48,13 +48,14 @@ def main() -> None:
             ctl.step(tokens[at])
             at += 1
         ctl.shares.next_at = 10**9  # no decision of its own while timed: only the resizes below
-        sizes = e.cache_sizes()
-        larger = tuple(n + 16 for n in sizes)
+        first = e.cache_sizes()
+        larger = tuple(n + 16 for n in first)
         for r in range(2 * args.rounds):
-            way = "carried" if r % 2 == 0 else "untapped"
+            # every move changes the sizes (back and forth), and each way grows and shrinks the caches as often
+            way = "carried" if (r % 2 == 0) != (r // 2 % 2 == 1) else "untapped"
             if way == "untapped":  # the engine before patch 0020: a new context starts untapped
                 e._tap, e._tap_reserved, ctl._tap = (TapFlag(0), 0), TapFlag(0), None
-            sizes = larger if r % 4 < 2 else tuple(n - 16 for n in larger)  # back and forth, each way both
+            sizes = larger if r % 2 == 0 else first
             t0 = time.perf_counter()
             e.resize_caches(sizes)
             move = time.perf_counter() - t0
