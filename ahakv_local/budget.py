@@ -117,15 +117,20 @@ Reading = Literal["plain", "query", "reconstruct", "surprisal"]
 READINGS: tuple[str, ...] = get_args(Reading)
 QUESTION_AGNOSTIC: tuple[str, ...] = ("reconstruct", "surprisal")  # readings no question guides
 
-QUERY_TOKENS = 128  # at most this many tokens of a question guide the reading of a long prompt
+# A question guides the reading of a long prompt by its last QUERY_TOKENS tokens (the suite's questions, 14-23
+# tokens, whole), decoded behind each span of the prompt: a chunk and what the question leaves of the room behind
+# it (KVController.read_span). At the sessions' chunk of 64 a span and its question fill 128 cells, so the question
+# is at most 24 / 128 of the tokens decoded: a guided reading decodes at most 1.23x the plain one's tokens
+QUERY_TOKENS = 24
+QUERY_ROOM = 128  # the most cells kept behind a chunk for a question
 REPEAT_TOKENS = 32  # room for the repetition prompt of a question-agnostic (reconstruction) reading
 
 
 def guide_room(reading: str, chunk: int) -> int:
     """Cells a guided reading needs on top: the question (or a repetition prompt and the chunk again)
-    is decoded behind each chunk before the compression. A question longer than the room is read by its
-    last tokens (``KVController.prefill``), so the room never costs more than one more chunk."""
-    return {"query": min(QUERY_TOKENS, chunk), "reconstruct": REPEAT_TOKENS + chunk}.get(reading, 0)
+    is decoded behind each chunk before the compression; a question shorter than the room leaves the rest to
+    a longer span of the prompt."""
+    return {"query": min(QUERY_ROOM, chunk), "reconstruct": REPEAT_TOKENS + chunk}.get(reading, 0)
 
 
 def cells_for(budget: Budget, chunk: int, longest: int, room: int = 0) -> int:

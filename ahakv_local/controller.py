@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .adaptive import LayerShares
-from .budget import PER_LAYER, Allocation, Budget, LayerBudgets, allocate, cells_for, holding_of
+from .budget import PER_LAYER, QUERY_TOKENS, Allocation, Budget, LayerBudgets, allocate, cells_for, holding_of
 from .engine import Engine, decode_batch
 from .errors import AhakvError
 from .groups import LayerGroup, make_groups
@@ -231,38 +231,65 @@ class KVController:
         logits of the last token, or of every token with ``all_logits``.
 
         With ``query`` (the tokens of what the reader will be asked; see ``read_query``) and a policy that
-        reads with one, every compression but the last is guided by it: the query is decoded behind the
-        chunk, its attention over the cache (all layers, all heads) joins the policy's own score, and its
-        cells are removed again before the next chunk, which takes its positions. The last chunk ends the
-        prompt (where the question itself is) and is read once, normally (``ends_prompt=False``: these tokens
-        are only a part of a prompt, and their last chunk is guided too). With ``Reconstruct`` no question
+        reads with one, every compression but the last is guided by it: the query (its last QUERY_TOKENS tokens)
+        is decoded behind a span of the prompt (the chunk and what the query leaves of the room behind it), its
+        attention over the cache (all layers, all heads) joins the policy's own score, and its cells are removed
+        again before the next span, which takes its positions. The last span ends the prompt (where the question
+        itself is) and is read once, normally (``ends_prompt=False``: these tokens are only a part of a prompt,
+        and their last span is guided too). With ``Reconstruct`` no question
         is known: every chunk is scored by how much a repetition of it attends to each position. With
         ``Surprisal`` (any policy) every chunk is compressed by the surprisal of each position's phrase alone."""
         chunk = chunk or self.engine.config.n_ubatch
         by_surprisal = isinstance(query, Surprisal)
         use_query = by_surprisal or (bool(query) and self.policy.reads_with_query)
+        asked = self._asks(query)
+        span = self.read_span(query, chunk)
+        if asked:
+            query = list(query)[-QUERY_TOKENS:]
         self._reading(use_query)
-        rows, before = [], None
+        rows, before, i = [], None, 0
         try:
-            for i in range(0, len(tokens), chunk):
-                piece = tokens[i : i + chunk]
+            while i < len(tokens):
+                # a span is decoded a chunk at a time, and only its last chunk observed: the guided policies score
+                # a prompt by the last rows before a compression (AhaKV's and SnapKV's recent sums keep 32, TOVA
+                # one), and an observed chunk's side pass and error term cost ~25 ms over ~380 cells on 2 cores.
+                # A span that would leave its question no room (a budget raised past the cells) is one chunk
+                n = span if span > chunk and self._has_room(span + len(query)) else chunk
+                piece = tokens[i : i + n]
+                i += len(piece)
                 if by_surprisal:
                     logits = self._decode(piece, self.policy.window, True)
                     before = self._evict_by_surprisal(piece, logits, before, query)
                     rows.append(logits if all_logits else logits[-1])
                     continue
-                rows.append(self._decode(piece, self.policy.window, all_logits))
+                for j in range(0, len(piece), chunk):
+                    observe = j + chunk >= len(piece)
+                    rows.append(self._decode(piece[j : j + chunk], self.policy.window, all_logits, observe))
                 if isinstance(query, Reconstruct) and use_query:
                     again = [*query.prompt, *piece]
                     self.evict(self._reconstruction_scores(again) if self._has_room(len(again)) else None)
                     continue
-                last = ends_prompt and i + chunk >= len(tokens)
-                guided = use_query and not last and self._over_budget()
+                last = ends_prompt and i >= len(tokens)
+                guided = asked and not last and self._over_budget()
                 tail = self._fitting_tail(query) if guided else []
                 self.evict(self.read_query(tail) if tail else None)
         finally:
             self._reading(False)
         return np.concatenate(rows) if all_logits else rows[-1]
+
+    def _asks(self, query: Sequence[int] | Reconstruct | Surprisal | None) -> bool:
+        """Whether ``prefill`` reads with ``query`` as a question (not question-agnostically, not plainly)."""
+        return bool(query) and not isinstance(query, Reconstruct | Surprisal) and self.policy.reads_with_query
+
+    def read_span(self, query: Sequence[int] | Reconstruct | Surprisal | None, chunk: int | None = None) -> int:
+        """Prompt tokens ``prefill`` reads between two compressions: a chunk (of n_ubatch by default) or, guided by a
+        question, a span: the chunk and what the question's last QUERY_TOKENS tokens leave of the room behind it (at
+        chunks of 64: 24 question tokens for 104 of the prompt at most, ``budget.QUERY_TOKENS``). A caller feeding a
+        prompt in pieces feeds spans (the compressions follow the pieces)."""
+        chunk = chunk or self.engine.config.n_ubatch
+        if not self._asks(query):
+            return chunk
+        return chunk + max(0, self.config.room - min(len(query), QUERY_TOKENS))
 
     def _reading(self, guided: bool) -> None:
         """Tell every group's policy whether a prompt is being read under guidance (``Policy.reading``)."""

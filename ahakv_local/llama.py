@@ -14,7 +14,7 @@ Without ``kv_budget`` it *is* llama_cpp.Llama (same code path, same errors). Wit
   ``kv_reuse_compressed=True`` (what the chat uses) the compressed history is reused on purpose;
 - a prompt longer than the budget is read guided by its question (``kv_query``), for policies that can be
   (ahakv, snapkv, tova): ``create_chat_completion`` takes the last user message, ``create_completion`` the
-  ``kv_query=`` text of the call or else the prompt's last paragraph (its last 128 tokens at most);
+  ``kv_query=`` text of the call or else the prompt's last paragraph (a question guides by its last 24 tokens);
   ``kv_query=False`` reads plainly, ``kv_query="reconstruct"`` question-agnostically (KVzip's repetition);
 - the token-keyed state cache (``set_cache``) is refused: it would hand back lossy states as exact.
 
@@ -34,7 +34,7 @@ import llama_cpp
 import numpy as np
 
 from . import rpc, upstream
-from .budget import KV_TYPE_AUTO, QUERY_TOKENS, QUESTION_AGNOSTIC, Budget, default_layer_budgets
+from .budget import KV_TYPE_AUTO, QUESTION_AGNOSTIC, Budget, default_layer_budgets
 from .controller import ControllerStats, KVController
 from .engine import Engine, clear_next_caches, kv_type_params, set_next_caches
 from .errors import AhakvError
@@ -285,7 +285,7 @@ class Llama(llama_cpp.Llama):
                 return
             text = prompt if isinstance(prompt, str) else self.detokenize(list(prompt)).decode(errors="replace")
             query = next((p for p in reversed(text.split("\n\n")) if p.strip()), "")
-        tokens = self.tokenize(query.encode(), add_bos=False, special=False)[-QUERY_TOKENS:]
+        tokens = self.tokenize(query.encode(), add_bos=False, special=False)  # read by its last tokens (prefill)
         self._kv_guide = guide("query", tokens, self._kv_engine)
 
     def create_completion(self, prompt, *args, kv_query: bool | str | None = None, **kwargs):
@@ -324,15 +324,16 @@ class Llama(llama_cpp.Llama):
         kv = self._kv
         kv.truncate(self.n_tokens)  # positions >= n_tokens are being replaced
         tokens = list(tokens)
-        for i in range(0, len(tokens), self.n_batch):
+        n = max(self.n_batch, kv.read_span(self._kv_guide))  # a guided reading's pieces are its spans
+        for i in range(0, len(tokens), n):
             if i and self.should_stop():  # between prompt chunks too: a long prompt need not be read to the end
                 raise Stopped
-            chunk = tokens[i : i + self.n_batch]
+            chunk = tokens[i : i + n]
             t0 = time.perf_counter()
             if len(chunk) == 1:
                 kv.step(chunk[0])
             else:
-                kv.prefill(chunk, query=self._kv_guide, ends_prompt=i + self.n_batch >= len(tokens))
+                kv.prefill(chunk, query=self._kv_guide, ends_prompt=i + n >= len(tokens))
             self._count(len(chunk), time.perf_counter() - t0)
             self.input_ids[self.n_tokens : self.n_tokens + len(chunk)] = chunk
             self.n_tokens += len(chunk)

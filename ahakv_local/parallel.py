@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .budget import QUERY_TOKENS, QUESTION_AGNOSTIC, Budget, cells_for
+from .budget import QUESTION_AGNOSTIC, Budget, cells_for
 from .controller import Reconstruct, step_batch
 from .engine import Engine
 from .errors import AhakvError
@@ -130,7 +130,7 @@ class SequencePool:
         self._rng[seq] = np.random.default_rng(gen.sampling.seed)
         self.served[seq] += 1
         try:
-            n = self.engine.config.n_batch
+            n = max(self.engine.config.n_batch, ctl.read_span(gen.guide))  # a guided reading's pieces are its spans
             for i in range(0, len(gen.prompt), n):
                 chunk = gen.prompt[i : i + n]
                 if len(chunk) == 1:
@@ -250,4 +250,4 @@ def prompt_of(engine: Engine, kind: str, payload, kv_query, default_query) -> tu
         query = question
     if not query:
         return tokens, stop, None
-    return tokens, stop, guide("query", engine.tokenize(query, add_bos=False)[-QUERY_TOKENS:], engine)
+    return tokens, stop, guide("query", engine.tokenize(query, add_bos=False), engine)

@@ -12,6 +12,8 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
+from ahakv_local.budget import QUERY_TOKENS, guide_room
+
 
 def ahakv(*args: str, env: dict | None = None, stdin: str | bytes | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(
@@ -123,9 +125,9 @@ def test_generate_holds_the_budget_and_reports(fixture_model):
 
 
 def test_generate_says_what_guiding_a_long_prompt_cost(fixture_model):
-    """A prompt longer than the budget is read guided by its last paragraph (here the whole prompt: its last 128
-    tokens, halved to the 64 that fit the free cells behind a chunk of a 48-cell budget): 64 question tokens behind
-    every chunk of 64 but the last, which ends the prompt and is read once. --reading plain decodes none."""
+    """A prompt longer than the budget is read guided by its last paragraph (here the whole prompt: its last
+    QUERY_TOKENS tokens) decoded behind every span but the last, which ends the prompt and is read once; a span is a
+    chunk of 64 and the 64 - 24 cells the question leaves of the room behind it. --reading plain decodes none."""
     prompt = "the quick brown fox " * 40
 
     def stats(*extra: str) -> tuple[int, int]:
@@ -136,7 +138,8 @@ def test_generate_says_what_guiding_a_long_prompt_cost(fixture_model):
         return int(m.group(1)), int(m.group(2) or 0)
 
     n_prompt, guided = stats()
-    assert n_prompt > 128 and guided == (math.ceil(n_prompt / 64) - 1) * 64
+    span = 64 + guide_room("query", 64) - QUERY_TOKENS
+    assert n_prompt > 2 * span and guided == (math.ceil(n_prompt / span) - 1) * QUERY_TOKENS
     assert stats("--reading", "plain") == (n_prompt, 0)
 
 

@@ -21,11 +21,11 @@ import record_shared_decisions as recorded
 
 from ahakv_local.budget import (
     PER_LAYER,
-    QUERY_TOKENS,
     Budget,
     CacheLayout,
     allocate,
     cells_for,
+    guide_room,
     pyramid_weights,
     spread,
 )
@@ -556,7 +556,7 @@ def test_a_cell_budget_above_n_ctx_is_held_in_every_layout(layer_budgets):
         e = llm.kv_engine
         assert llm.kv_stats().budget == 600
         full = [il for il in range(e.n_layer) if not e.layer_sliding[il]]
-        cells_for_600 = 600 + CHUNK + 1 + min(QUERY_TOKENS, CHUNK)  # budget.cells_for, with a question's room
+        cells_for_600 = 600 + CHUNK + 1 + guide_room("query", CHUNK)  # budget.cells_for, with a question's room
         assert all(e.n_cells(il) == cells_for_600 for il in full)
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ahakv_local import Llama
+from ahakv_local.budget import QUERY_TOKENS, guide_room
 from ahakv_local.controller import KVController, Reconstruct
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.errors import AhakvError
@@ -27,8 +28,8 @@ def tokens_of(model, text: str, n: int) -> list[int]:
 
 
 def test_a_guided_read_equals_a_plain_replay_of_its_evictions(fixture_model, license_text):
-    """The question is decoded behind each chunk and removed again: replaying the same chunks with the same
-    evictions and no question gives the same cache and the same logits. The same positions may sit in other
+    """The question's last tokens are decoded behind each span and removed again: replaying the same spans with
+    the same evictions and no question gives the same cache and the same logits. The same positions may sit in other
     cells (the question's cells were used and freed), so the attention sums may run in another order: the
     logits agree within the fixture's forward bound (tests/test_tap_fixture.py: ~16 chained F32 reductions of
     <= 128 terms, relative to the largest entry)."""
@@ -44,21 +45,26 @@ def test_a_guided_read_equals_a_plain_replay_of_its_evictions(fixture_model, lic
             return real_evict(positions, cache)
 
         ctl.engine.evict = record
-        calls = []
-        real_read = ctl.read_query
-        ctl.read_query = lambda q: calls.append(len(q)) or real_read(q)
+        calls, observed = [], []
+        real_read, real_decode = ctl.read_query, ctl._decode
+        ctl.read_query = lambda q: calls.append(list(q)) or real_read(q)
+        ctl._decode = lambda t, w, a, observe=True: observed.append(observe) or real_decode(t, w, a, observe)
         logits = guided.read(prompt, question)
-        assert calls and set(calls) == {len(question)}  # guided, by the question's tokens
+        tail = question[-QUERY_TOKENS:]  # the fixture's tokens are about characters: 37 here
+        assert calls and all(q == tail for q in calls)  # guided, by the question's last tokens
         assert len(calls) == len(evicted) - 1  # every compression but the last (it ends the prompt)
-        assert max(evicted) == len(prompt)
+        # each span is a chunk and what the question leaves of the room behind it (64 cells at chunks of 64)
+        span = 64 + guide_room("query", 64) - len(tail)
+        assert sorted(evicted) == [*range(span, len(prompt), span), len(prompt)]
+        assert observed.count(True) == len(evicted) < len(observed)  # a span is observed once, at its end
         live = guided.engine.live_positions()
         assert np.array_equal(live, ctl.live) and guided.engine.n_past == len(prompt)
         assert guided.engine.n_used() == live.size  # no cell of the question is left
     with Engine(fixture_model, EngineConfig(n_ctx=guided.engine.n_ctx, n_batch=64, n_ubatch=64)) as e:
-        for a in range(0, len(prompt), 64):
-            replay = e.decode(prompt[a : a + 64])
-            if e.n_past in evicted:
-                e.evict(evicted[e.n_past])
+        for end in sorted(evicted):  # the same spans, a chunk at a time
+            for a in range(e.n_past, end, 64):
+                replay = e.decode(prompt[a : min(a + 64, end)])
+            e.evict(evicted[end])
         assert np.array_equal(e.live_positions(), live)
         forward_rtol = 16 * 128 * F32
         assert np.abs(replay - logits).max() <= forward_rtol * np.abs(logits).max()
@@ -165,7 +171,9 @@ def test_ahakv_pools_its_score_while_a_guided_prompt_is_read_only(fixture_model,
         kernels = kernels_of(ctl.policy, pieces)
         logits = s.read(prompt, question)
         n_read = len(kernels)
-        assert n_read == len(range(0, len(prompt), 64)) and set(kernels) == {ctl.policy.read_kernel}
+        # one eviction a span: a question's (its last QUERY_TOKENS here) leaves a chunk and the rest of its room
+        span = 64 + guide_room("query", 64) - QUERY_TOKENS if reading == "query" else 64
+        assert n_read == len(range(0, len(prompt), span)) and set(kernels) == {ctl.policy.read_kernel}
         s.answer(logits, 24)
         assert len(kernels) > n_read and set(kernels[n_read:]) == {1}
         n_answered = len(kernels)
@@ -209,8 +217,8 @@ def test_the_drop_in_reads_a_long_prompt_with_its_question(fixture_model, licens
         messages = [{"role": "user", "content": f"{document}\n\nWhich version is this?"}]
         llm.create_chat_completion(messages=messages, max_tokens=2, temperature=0)
         asked = llm.tokenize(messages[0]["content"].encode(), add_bos=False, special=False)
-        # the last user message, by its last tokens: at most 128, as many as the free cells hold
-        assert seen and 8 <= len(seen[0]) <= 128 and seen[0] == asked[-len(seen[0]) :]
+        # the last user message, by its last tokens: QUERY_TOKENS of them
+        assert seen and len(seen[0]) == QUERY_TOKENS and seen[0] == asked[-QUERY_TOKENS:]
         seen.clear()
         llm.create_completion(f"{document}\n\nThe version is", max_tokens=2, temperature=0, kv_query=False)
         assert seen == []  # off
