@@ -23,7 +23,7 @@ its own live positions, policy instance and budget (``budget.allocate``). ``live
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -291,6 +291,25 @@ class KVController:
         if not self._asks(query):
             return chunk
         return chunk + max(0, self.config.room - min(len(query), QUERY_TOKENS))
+
+    def prompt_pieces(
+        self, tokens: Sequence[int], query: Sequence[int] | Reconstruct | Surprisal | None, n_batch: int
+    ) -> Iterator[tuple[Sequence[int], bool]]:
+        """A prompt in the pieces a caller reads one at a time (``read_piece``; to stop or time between them), each
+        with whether it ends the prompt: ``n_batch`` tokens, or a guided reading's span where that is longer (the
+        compressions follow the pieces, ``read_span``)."""
+        n = max(n_batch, self.read_span(query))
+        for i in range(0, len(tokens), n):
+            yield tokens[i : i + n], i + n >= len(tokens)
+
+    def read_piece(
+        self, piece: Sequence[int], query: Sequence[int] | Reconstruct | Surprisal | None, ends_prompt: bool
+    ) -> np.ndarray:
+        """Read one of ``prompt_pieces``: a single token is a decode step (evicting on the step schedule), more are
+        ``prefill``'s; the logits of its last token."""
+        if len(piece) == 1:
+            return self.step(piece[0])
+        return self.prefill(piece, query=query, ends_prompt=ends_prompt)
 
     def _reading(self, guided: bool) -> None:
         """Tell every group's policy whether a prompt is being read under guidance (``Policy.reading``)."""

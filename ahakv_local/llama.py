@@ -324,16 +324,11 @@ class Llama(llama_cpp.Llama):
         kv = self._kv
         kv.truncate(self.n_tokens)  # positions >= n_tokens are being replaced
         tokens = list(tokens)
-        n = max(self.n_batch, kv.read_span(self._kv_guide))  # a guided reading's pieces are its spans
-        for i in range(0, len(tokens), n):
+        for i, (chunk, ends_prompt) in enumerate(kv.prompt_pieces(tokens, self._kv_guide, self.n_batch)):
             if i and self.should_stop():  # between prompt chunks too: a long prompt need not be read to the end
                 raise Stopped
-            chunk = tokens[i : i + n]
             t0 = time.perf_counter()
-            if len(chunk) == 1:
-                kv.step(chunk[0])
-            else:
-                kv.prefill(chunk, query=self._kv_guide, ends_prompt=i + n >= len(tokens))
+            kv.read_piece(chunk, self._kv_guide, ends_prompt)
             self._count(len(chunk), time.perf_counter() - t0)
             self.input_ids[self.n_tokens : self.n_tokens + len(chunk)] = chunk
             self.n_tokens += len(chunk)

@@ -130,13 +130,8 @@ class SequencePool:
         self._rng[seq] = np.random.default_rng(gen.sampling.seed)
         self.served[seq] += 1
         try:
-            n = max(self.engine.config.n_batch, ctl.read_span(gen.guide))  # a guided reading's pieces are its spans
-            for i in range(0, len(gen.prompt), n):
-                chunk = gen.prompt[i : i + n]
-                if len(chunk) == 1:
-                    logits = ctl.step(chunk[0])
-                else:
-                    logits = ctl.prefill(chunk, query=gen.guide, ends_prompt=i + n >= len(gen.prompt))
+            for chunk, ends_prompt in ctl.prompt_pieces(gen.prompt, gen.guide, self.engine.config.n_batch):
+                logits = ctl.read_piece(chunk, gen.guide, ends_prompt)
         except BaseException:
             self._drop(seq)
             raise

@@ -19,56 +19,46 @@ term over every cell), of chunks read unobserved (a span's first), of the questi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from common import file_tokens  # benchmarks/ is the script's directory: sys.path[0]
+from common import file_tokens, llama_decode_times  # benchmarks/ is the script's directory: sys.path[0]
 
 from ahakv_local.controller import KVController
-from ahakv_local.engine import Engine
 from ahakv_local.models import default_model_path
 from ahakv_local.session import SessionSpec, open_session
 
 QUESTION = "What does the GPL say about proprietary programs?"
 
 
-class Ledger:
-    """Seconds of llama_decode by what the controller decoded: observed chunks, unobserved ones, questions."""
+@contextlib.contextmanager
+def decode_seconds_by_kind() -> Iterator[dict[str, float]]:
+    """While active, the seconds of llama_decode (``common.llama_decode_times``) by what the controller decoded:
+    "observed" chunks, "unobserved" ones, "question"s (any other call is left out)."""
+    seconds: dict[str, float] = {}
+    decode, read_query = KVController._decode, KVController.read_query
+    with llama_decode_times() as calls:
 
-    def __init__(self) -> None:
-        self.kind = "other"
-        self.seconds: dict[str, float] = {}
-
-    def __enter__(self) -> Ledger:
-        run, decode, read_query = Engine._run_batch, KVController._decode, KVController.read_query
-        self._saved = run, decode, read_query
-        ledger = self
-
-        def timed_run(engine: Engine) -> None:
-            t0 = time.perf_counter()
-            run(engine)
-            ledger.seconds[ledger.kind] = ledger.seconds.get(ledger.kind, 0.0) + time.perf_counter() - t0
+        def tagged(kind: str, run, *args):
+            before = len(calls)
+            try:
+                return run(*args)
+            finally:
+                seconds[kind] = seconds.get(kind, 0.0) + sum(calls[before:])
 
         def tagged_decode(ctl, tokens, window, all_logits, observe=True):
-            ledger.kind = "observed" if observe else "unobserved"
-            try:
-                return decode(ctl, tokens, window, all_logits, observe)
-            finally:
-                ledger.kind = "other"
+            kind = "observed" if observe else "unobserved"
+            return tagged(kind, decode, ctl, tokens, window, all_logits, observe)
 
-        def tagged_query(ctl, query):
-            ledger.kind = "question"
-            try:
-                return read_query(ctl, query)
-            finally:
-                ledger.kind = "other"
-
-        Engine._run_batch, KVController._decode, KVController.read_query = timed_run, tagged_decode, tagged_query
-        return self
-
-    def __exit__(self, *exc) -> None:
-        Engine._run_batch, KVController._decode, KVController.read_query = self._saved
+        KVController._decode = tagged_decode
+        KVController.read_query = lambda ctl, query: tagged("question", read_query, ctl, query)
+        try:
+            yield seconds
+        finally:
+            KVController._decode, KVController.read_query = decode, read_query
 
 
 def main() -> None:
@@ -101,11 +91,11 @@ def main() -> None:
                 ctl = session.controller
                 if name.endswith("every chunk"):  # the reading before spans: the question behind every chunk
                     ctl.read_span = lambda query, chunk=None, n=session.engine.config.n_ubatch: chunk or n
-                with Ledger() as ledger:
+                with decode_seconds_by_kind() as by_kind:
                     t0 = time.perf_counter()
                     session.read(tokens, asked)
                     seconds = time.perf_counter() - t0
-                rows[name].append((ctl.stats.guide_tokens, seconds, ledger.seconds))
+                rows[name].append((ctl.stats.guide_tokens, seconds, by_kind))
     finally:
         for session in sessions.values():
             session.close()
