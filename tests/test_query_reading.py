@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ahakv_local import Llama
-from ahakv_local.budget import QUERY_TOKENS, guide_room
+from ahakv_local.budget import QUERY_TOKENS, Budget, guide_room
 from ahakv_local.controller import KVController, Reconstruct
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.errors import AhakvError
@@ -343,3 +343,23 @@ def test_surprisal_reading_evicts_by_each_phrases_surprisal_alone(fixture_model,
         kept = np.setdiff1d(live, gone)
         candidates = kept[(kept >= 4) & (kept < np.sort(live)[-8])]  # not the sinks, not the last 8 live
         assert pooled[gone].max() <= pooled[candidates].min() + 2 * bound
+
+
+def test_a_budget_raised_into_the_question_room_reads_chunks_instead_of_failing(fixture_model, license_text):
+    """A guided reading's spans take the room kept behind a chunk for the question; a budget raised into that room
+    (``set_budget`` allows the cells less a chunk and the newest token) leaves a span no room, so the prompt is read
+    a chunk at a time (compressed unguided where the question does not fit either) instead of overflowing the
+    cells."""
+    prompt = tokens_of(fixture_model, license_text, 600)
+    spec = SessionSpec.bounded("ahakv", 96, n_recent=8, reading="query")
+    with open_session(fixture_model, spec, longest=len(prompt), n_ubatch=64) as s:
+        ctl, question = s.controller, s.engine.tokenize(QUESTION_TEXT, add_bos=False)
+        held = s.engine.n_cells() - 64 - 1
+        ctl.set_budget(Budget("cells", held))
+        pieces = []
+        real_decode = ctl._decode
+        ctl._decode = lambda t, w, a, observe=True: pieces.append(len(t)) or real_decode(t, w, a, observe)
+        s.read(prompt, question)
+        assert pieces and max(pieces) == 64 and sum(pieces) == len(prompt)
+        live = s.engine.live_positions()
+        assert np.array_equal(live, ctl.live) and s.engine.n_past == len(prompt) and live.size <= held
