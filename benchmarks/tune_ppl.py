@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=16)
     ap.add_argument("--layer-budgets", default="shared", help="layouts crossed with the variants (comma-separated)")
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: every core)")
+    ap.add_argument("--reference-dir", default=None, help="keep or read the full cache's rows here")
     args = ap.parse_args()
     model = default_model_path()
     tokens = file_tokens(model, args.text, args.tokens)
@@ -40,7 +41,7 @@ def main() -> None:
         for lb in layouts
     ]
     start = time.time()
-    results = evaluate(model, tokens, specs, step=args.step, n_threads=args.threads)
+    results = evaluate(model, tokens, specs, step=args.step, n_threads=args.threads, reference_dir=args.reference_dir)
     print(f"{Path(args.text).name}, {len(tokens)} tokens, budget {args.budget}, step {args.step}")
     print("| variant | ppl | mean KL | top-1 | KV MiB |\n|---|---:|---:|---:|---:|")
     for label, r in results.items():

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from ahakv_local import evaluation
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.evaluation import FULL, LogProbStore, _open, evaluate, log_softmax
 from ahakv_local.session import SessionSpec
@@ -69,6 +70,38 @@ def test_kl_of_the_full_cache_against_itself_is_zero(fixture_model, license_text
     # token; the fixture's rows span < 10 nats (at most 7.6 on GPL-3): e < 10 / 65535 / 2 = 7.7e-5 (LogProbStore)
     assert abs(again.kl) < 7.7e-5 and again.top1 == 1.0 and again.ppl == results["full"].ppl
     assert h2o.kl > 0.01 and h2o.max_cells <= 48
+
+
+def test_a_kept_reference_is_read_instead_of_running_the_full_cache_again(
+    fixture_model, license_text, tmp_path, monkeypatch
+):
+    with Engine(fixture_model, EngineConfig(n_ctx=256)) as e:
+        tokens = e.tokenize(license_text)[:160]
+    opened = []  # the configurations each evaluation runs
+    real_open = evaluation._open
+
+    def opening(model, n_tokens, spec, *args):
+        opened.append(spec.label)
+        return real_open(model, n_tokens, spec, *args)
+
+    monkeypatch.setattr(evaluation, "_open", opening)
+    specs = [SessionSpec.bounded("h2o", 64, label="h2o")]
+
+    def run(tokens: list[int]) -> dict:
+        opened.clear()
+        results = evaluate(fixture_model, tokens, specs, prefix=32, step=16, reference_dir=tmp_path)
+        measured = {label: (r.ppl, r.kl, r.top1) for label, r in results.items()}
+        return measured | {"full seconds": results["full"].seconds, "opened": list(opened)}
+
+    first = run(tokens)
+    assert first["opened"] == ["full", "h2o"] and sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".logp"]
+    # the same evaluation again: the full cache's rows and result (its seconds too) come from the reference, and the
+    # configuration compares against the same stored rows: the same KL and top-1 to the last bit
+    assert run(tokens) == first | {"opened": ["h2o"]}
+    # other tokens are another reference; a reference whose result was never written (a stopped run) is not read
+    assert run(tokens[:-16])["opened"] == ["full", "h2o"] and len(list(tmp_path.glob("*.json"))) == 2
+    next(tmp_path.glob("*.json")).unlink()
+    assert sum(run(t)["opened"] == ["full", "h2o"] for t in (tokens, tokens[:-16])) == 1
 
 
 def lockstep_reference(model, tokens, policy, budget, prefix, step) -> dict[str, float]:
@@ -135,6 +168,7 @@ def test_store_round_trip_is_within_half_a_step(tmp_path):
 
 PEAK_SCRIPT = """
 import sys
+from ahakv_local import evaluation
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.evaluation import evaluate
 from ahakv_local.session import SessionSpec
