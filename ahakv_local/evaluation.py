@@ -144,8 +144,9 @@ class Reference:
     ``LogProbStore``'s records) and ``KEY.json`` (what was measured and how), ``KEY`` a digest of everything the
     rows depend on: the model file's bytes, the engine build (``build.installed_key``), the tokens, the prefix,
     the chunk, the step, the CPU threads and the RPC workers. A row is the same only where all of these are
-    (ggml's kernels differ between batch sizes, and may between thread counts). The rows go to ``KEY.logp.part``
-    and are renamed when the run is complete, so a stopped run leaves nothing that a later one would read."""
+    (ggml's kernels differ between batch sizes, and may between thread counts). The rows go to ``KEY.logp.PID.part``
+    and are renamed when the run is complete, so a stopped run leaves nothing that a later one would read, and two
+    runs of the same evaluation at once each write their own (the same rows: the later rename wins)."""
 
     logp: Path
     meta: Path
@@ -185,17 +186,34 @@ class Reference:
         result = PplResult(FULL.policy, FULL.budget, **meta["result"])
         return LogProbStore(meta["n_vocab"], file=open(self.logp, "rb")), result  # the store owns it
 
+    def _part(self, pid: int) -> Path:
+        return self.logp.with_name(f"{self.logp.name}.{pid}.part")
+
     def create(self, n_vocab: int) -> LogProbStore:
-        """An empty store for the full run's rows (a stopped run's rows are written over)."""
-        return LogProbStore(n_vocab, file=open(self.logp.with_suffix(".logp.part"), "w+b"))
+        """An empty store for this process's full run (the rows a stopped run of this evaluation left go first)."""
+        for part in self.logp.parent.glob(f"{self.logp.name}.*.part"):
+            pid = part.name.split(".")[-2]
+            if pid.isdigit() and not _alive(int(pid)):
+                part.unlink(missing_ok=True)
+        return LogProbStore(n_vocab, file=open(self._part(os.getpid()), "w+b"))
 
     def complete(self, store: LogProbStore, result: PplResult) -> None:
         """The full run is done: its rows take their final name, then its result is written beside them."""
         store.file.flush()
-        os.replace(self.logp.with_suffix(".logp.part"), self.logp)  # the open file follows the rename
+        os.replace(self._part(os.getpid()), self.logp)  # the open file follows the rename
         keep = ("tokens", "ppl", "max_cells", "seconds", "kv_bytes", "mean_cells", "mean_share")
         meta = {"n_vocab": store.dtype["q"].shape[0], "result": {k: getattr(result, k) for k in keep}}
         self.meta.write_text(json.dumps(meta))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclass

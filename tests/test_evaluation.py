@@ -100,8 +100,20 @@ def test_a_kept_reference_is_read_instead_of_running_the_full_cache_again(
     assert run(tokens) == first | {"opened": ["h2o"]}
     # other tokens are another reference; a reference whose result was never written (a stopped run) is not read
     assert run(tokens[:-16])["opened"] == ["full", "h2o"] and len(list(tmp_path.glob("*.json"))) == 2
-    next(tmp_path.glob("*.json")).unlink()
+    stopped = next(tmp_path.glob("*.json"))
+    stopped.unlink()
+    dead = _finished_pid()
+    stale = tmp_path / f"{stopped.stem}.logp.{dead}.part"  # the rows a stopped run left
+    stale.write_bytes(b"\0" * 100)
     assert sum(run(t)["opened"] == ["full", "h2o"] for t in (tokens, tokens[:-16])) == 1
+    assert not list(tmp_path.glob("*.part")) and len(list(tmp_path.glob("*.json"))) == 2
+
+
+def _finished_pid() -> int:
+    """The pid of a process that has ended (its rows, had it written any, belong to nobody)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
 
 
 def lockstep_reference(model, tokens, policy, budget, prefix, step) -> dict[str, float]:
