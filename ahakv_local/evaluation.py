@@ -167,9 +167,11 @@ class Reference:
         from .build import installed_key
         from .engine import default_threads
 
-        h = hashlib.sha256()
+        weights = hashlib.sha256()  # hashlib.file_digest is Python 3.11+; this project runs on 3.10 too
         with open(model, "rb") as f:
-            h.update(hashlib.file_digest(f, "sha256").digest())
+            while block := f.read(1 << 20):
+                weights.update(block)
+        h = hashlib.sha256(weights.digest())
         how = [installed_key(), prefix, n_ubatch, step, list(rpc_servers), n_threads or default_threads()]
         h.update(json.dumps(how).encode())
         h.update(np.asarray(tokens, dtype=np.int32).tobytes())
