@@ -210,11 +210,11 @@ class Reference:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # another user's process: alive
     return True
 
 

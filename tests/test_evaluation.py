@@ -105,8 +105,15 @@ def test_a_kept_reference_is_read_instead_of_running_the_full_cache_again(
     dead = _finished_pid()
     stale = tmp_path / f"{stopped.stem}.logp.{dead}.part"  # the rows a stopped run left
     stale.write_bytes(b"\0" * 100)
-    assert sum(run(t)["opened"] == ["full", "h2o"] for t in (tokens, tokens[:-16])) == 1
-    assert not list(tmp_path.glob("*.part")) and len(list(tmp_path.glob("*.json"))) == 2
+    with subprocess.Popen(["sleep", "60"]) as running:  # the rows another run of this evaluation is writing now
+        busy = tmp_path / f"{stopped.stem}.logp.{running.pid}.part"
+        busy.write_bytes(b"\1" * 100)
+        try:
+            assert sum(run(t)["opened"] == ["full", "h2o"] for t in (tokens, tokens[:-16])) == 1
+        finally:
+            running.kill()
+    assert list(tmp_path.glob("*.part")) == [busy] and busy.read_bytes() == b"\1" * 100
+    assert len(list(tmp_path.glob("*.json"))) == 2
 
 
 def _finished_pid() -> int:
@@ -180,7 +187,6 @@ def test_store_round_trip_is_within_half_a_step(tmp_path):
 
 PEAK_SCRIPT = """
 import sys
-from ahakv_local import evaluation
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.evaluation import evaluate
 from ahakv_local.session import SessionSpec
