@@ -70,6 +70,7 @@ class LongRow:
     kv_cells_used: int
     kv_bytes_used: int  # each cache's used cells x its bytes per cell
     kv_bytes_allocated: int
+    layer_budgets: str = ""  # the budgeted run's layout (the drop-in's default for the model); "" for the baselines
 
 
 def _quiet(model: Path, n_gpu_layers: int = 0, **kw) -> dict:
@@ -270,6 +271,7 @@ def _long(
     checkpoints: list[int],
     decode_tokens: int,
     advance: Callable[[int], None],
+    layer_budgets: str = "",
 ) -> list[LongRow]:
     rows, done = [], 0
     for ctx in checkpoints:
@@ -287,7 +289,10 @@ def _long(
         # attached now: a resize of the caches (the adaptive layout) replaces the context an earlier view held
         engine = Engine.attach(llm)
         used, used_bytes, allocated = engine.n_used(), engine.kv_bytes_used(), engine.kv_bytes()
-        rows.append(LongRow(label, ctx, len(segment) / prompt_s, decode_tokens / decode_s, used, used_bytes, allocated))
+        rows.append(
+            LongRow(label, ctx, len(segment) / prompt_s, decode_tokens / decode_s, used, used_bytes, allocated,
+                    layer_budgets)
+        )  # fmt: skip
     return rows
 
 
@@ -318,7 +323,8 @@ def long_run(
         kv_observe_steps=observe_steps,
     ) as llm:
         seen = [0]
-        rows += _long(label, llm, tokens, checkpoints, decode_tokens, _counter(progress, label, last, seen))
+        advance = _counter(progress, label, last, seen)
+        rows += _long(label, llm, tokens, checkpoints, decode_tokens, advance, llm.kv_stats().layer_budgets)
     # every position kept, as the speed tables' baselines: llama-cpp-python's default (a full-size sliding cache;
     # this table has always called it "full") and llama.cpp's own tools (the sliding cache trimmed to its window)
     for baseline, swa_full in BASELINES.items():

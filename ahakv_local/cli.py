@@ -321,7 +321,9 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
             + (f" ({s.guide_tokens} more decoded to guide it)" if s.guide_tokens else "")
             + f" | generated {s.sampled_tokens} tok at "
             f"{s.generation_tps:.1f} t/s | cache {s.cells_used}/{budget} cells ({s.kv_cells} allocated, "
-            f"{s.kv_bytes / 2**20:.1f} MiB KV, {s.kv_type}) | seen {s.tokens_seen} | evicted {s.evicted}"
+            f"{s.kv_bytes / 2**20:.1f} MiB KV, {s.kv_type}"
+            + (f", {s.layer_budgets}" if s.layer_budgets else "")
+            + f") | seen {s.tokens_seen} | evicted {s.evicted}"
             + "".join(
                 f" | {kind} {u / 2**20:.2f}/{a / 2**20:.2f} MiB" + (f" in {n} caches" if n > 1 else "")
                 for kind, (a, u, n) in s.kv_kind_bytes.items()

@@ -116,6 +116,9 @@ class KVStats:
     # by kind ("shared", or "full" and "sliding"): [allocated, used] K+V bytes and the caches summed
     kv_kind_bytes: dict[str, list[int]] = field(default_factory=dict)
     kv_type: str = "f16"  # of K and V (kv_type "auto": the type it decided)
+    # the layer layout the budget is held in (its default depends on the model and on offloading:
+    # budget.default_layer_budgets); "" without a budget
+    layer_budgets: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -470,4 +473,5 @@ class Llama(llama_cpp.Llama):
             kv_group_bytes={k: list(v) for k, v in self._kv.group_bytes().items()} if self._kv is not None else {},
             kv_kind_bytes={k: list(v) for k, v in self._kv.kind_bytes().items()} if self._kv is not None else {},
             kv_type=engine.config.type_k,
+            layer_budgets=self._kv.config.layer_budgets if self._kv is not None else "",
         )

@@ -162,7 +162,8 @@ def write_speed_report(
             "|---|---:|---:|---:|---:|---:|",
         ]
         lines += [
-            f"| {r.label} | {r.context} | {r.prompt_tps:.1f} | {r.decode_tps:.2f} | {r.kv_bytes_used / 2**20:.1f} | "
+            f"| {r.label}{f' ({r.layer_budgets})' if r.layer_budgets else ''} | {r.context} | {r.prompt_tps:.1f} | "
+            f"{r.decode_tps:.2f} | {r.kv_bytes_used / 2**20:.1f} | "
             f"{r.kv_bytes_allocated / 2**20:.1f} |"
             for r in long
         ]

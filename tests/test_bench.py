@@ -101,6 +101,10 @@ def test_long_run_with_a_byte_budget_allocates_within_it(arch, tmp_path):
     assert [r["context"] for r in budgeted] == [256, 512, 768]
     assert all(0 < r["kv_bytes_used"] <= r["kv_bytes_allocated"] <= budget for r in budgeted)
     assert budgeted[-1]["kv_cells_used"] < 256  # it evicted: 512 positions read into fewer than 256 cells
+    # the layout the budget was held in, the drop-in's default for the model (budget.default_layer_budgets)
+    layout = "adaptive" if arch == "gemma3" else "natural"
+    assert {r["layer_budgets"] for r in long} == {layout, ""} and {r["layer_budgets"] for r in budgeted} == {layout}
+    assert f"| ahakv@{budget}B ({layout}) | 768 |" in (out / "results.md").read_text()
     bad = subprocess.run(
         [sys.executable, "-m", "ahakv_local", "bench", "speed", str(fixture_model), "--long-budget", "8XB"],
         capture_output=True, text=True, timeout=60,

@@ -9,6 +9,7 @@ import time
 import pexpect
 import pytest
 
+from ahakv_local.cli_eval import offloads_by_default
 from ahakv_local.paths import cache_dir
 
 STATS = r"\[prompt [\d.]+ t/s \| gen [\d.]+ t/s \| cache (\d+)/(\d+) cells of (\d+) \| seen (\d+) \| evicted (\d+)\]"
@@ -53,6 +54,8 @@ def test_chat_session(chat, tmp_path):
     c.expect(r"policy\s+ahakv")
     c.expect(r"tokens_seen\s+(\d+)")
     assert int(c.match.group(1)) == seen
+    # the layout in use: the product's for Gemma 3, adaptive on the CPU, natural where chat offloads to a GPU
+    c.expect(r"layer_budgets\s+" + ("natural" if offloads_by_default() else "adaptive"))
     c.expect("> ")
 
     c.sendline("/budget 64")

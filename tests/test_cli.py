@@ -13,6 +13,7 @@ import llama_cpp
 import pytest
 
 from ahakv_local.budget import QUERY_TOKENS, guide_room
+from ahakv_local.cli_eval import offloads_by_default
 
 
 def ahakv(*args: str, env: dict | None = None, stdin: str | bytes | None = None) -> subprocess.CompletedProcess:
@@ -111,7 +112,7 @@ def test_generate_holds_the_budget_and_reports(fixture_model):
     m = re.search(
         r"prompt (\d+) tok at [\d.]+ t/s(?: \(\d+ more decoded to guide it\))? \| generated (\d+) tok at [\d.]+ t/s \| "
         r"cache (\d+)/(\d+) cells "
-        r"\((\d+) allocated, [\d.]+ MiB KV, f16\) \| seen (\d+) \| evicted (\d+)",
+        r"\((\d+) allocated, [\d.]+ MiB KV, f16, natural\) \| seen (\d+) \| evicted (\d+)",
         proc.stderr,
     )
     assert m, proc.stderr
@@ -186,7 +187,9 @@ def test_info_states_what_generate_allocates(gemma_model):
     said = re.search(r"KV at budget   1,024 cells, adaptive layer budgets: ([\d.]+) MiB = full ([\d,]+) cells",
                      ahakv("info", str(gemma_model), "--budget", "1024").stdout)  # fmt: skip
     proc = ahakv("generate", str(gemma_model), "-p", "Hello", "-n", "1", "--budget", "1024", "--stats")
-    done = re.search(r"\((\d+) allocated, ([\d.]+) MiB KV, f16\)", proc.stderr + proc.stdout)
+    # the layout is stated: the product's, adaptive on the CPU (natural where generate offloads to a GPU)
+    layout = "natural" if offloads_by_default() else "adaptive"
+    done = re.search(rf"\((\d+) allocated, ([\d.]+) MiB KV, f16, {layout}\)", proc.stderr + proc.stdout)
     assert said and done, proc.stderr
     assert said.group(1) == done.group(2) and int(said.group(2).replace(",", "")) == int(done.group(1)) == 1024 + 129
     # the shared pool gives the sliding cache as many cells as the full one (known answer)

@@ -363,5 +363,5 @@ def test_the_drop_in_and_generate_decide_auto_kv_type(gemma_model):
         assert proc.returncode == 0, proc.stderr
         return proc.stderr
 
-    assert "MiB KV, q8_0)" in stats_line()
-    assert "MiB KV, f16)" in stats_line("--kv-type", "f16")
+    assert "MiB KV, q8_0, natural)" in stats_line()
+    assert "MiB KV, f16, natural)" in stats_line("--kv-type", "f16")

@@ -520,7 +520,8 @@ def test_the_product_lays_a_cell_budget_out_per_layer(gemma3_fixture, license_te
               n_ubatch=CHUNK, verbose=False)  # fmt: skip
     with Llama(str(gemma3_fixture), **kw) as llm, Llama(str(gemma3_fixture), kv_layer_budgets="shared", **kw) as pool:
         c = llm.kv_controller
-        assert c.config.layer_budgets == "adaptive"
+        assert c.config.layer_budgets == llm.kv_stats().layer_budgets == "adaptive"  # and the statistics say so
+        assert pool.kv_stats().layer_budgets == "shared"
         sliding = llm.kv_engine.layer_sliding
         assert sorted(g.name for g in c.groups) == [f"layer {il}" for il in range(len(sliding))]
         for g in c.groups:
@@ -534,7 +535,8 @@ def test_the_product_lays_a_cell_budget_out_per_layer(gemma3_fixture, license_te
         assert llm.kv_stats().evicted == llm.kv_stats().tokens_seen - llm.kv_stats().cells_used > 0
     one_cache = fixture_path(FixtureSpec(arch="llama"))
     with Llama(str(one_cache), **kw) as llm:
-        assert llm.kv_controller.config.layer_budgets == "natural" and len(llm.kv_controller.groups) == 1
+        assert llm.kv_controller.config.layer_budgets == llm.kv_stats().layer_budgets == "natural"
+        assert len(llm.kv_controller.groups) == 1
     seen = {}
     monkeypatch.setattr(cli_module, "load_llama", lambda model, **engine: seen.update(engine) or sys.exit(0))
     from click.testing import CliRunner

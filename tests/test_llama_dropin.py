@@ -34,6 +34,7 @@ def test_without_a_budget_it_is_llama_cpp(gemma_model, plain):
     with pytest.raises(ValueError) as theirs_err:
         reference("word " * 600, max_tokens=4)
     assert str(ours_err.value) == str(theirs_err.value)  # the same error text
+    assert plain.kv_controller is None and plain.kv_stats().layer_budgets == ""  # no budget, no layout
 
 
 @pytest.mark.parametrize("fixture", ["plain", "bounded"])
