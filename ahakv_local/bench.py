@@ -289,10 +289,8 @@ def _long(
         # attached now: a resize of the caches (the adaptive layout) replaces the context an earlier view held
         engine = Engine.attach(llm)
         used, used_bytes, allocated = engine.n_used(), engine.kv_bytes_used(), engine.kv_bytes()
-        rows.append(
-            LongRow(label, ctx, len(segment) / prompt_s, decode_tokens / decode_s, used, used_bytes, allocated,
-                    layer_budgets)
-        )  # fmt: skip
+        prompt_tps, decode_tps = len(segment) / prompt_s, decode_tokens / decode_s
+        rows.append(LongRow(label, ctx, prompt_tps, decode_tps, used, used_bytes, allocated, layer_budgets))
     return rows
 
 
