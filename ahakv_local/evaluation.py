@@ -166,12 +166,9 @@ class Reference:
         """The reference of ``evaluate``'s arguments in ``directory`` (made if missing), complete or not."""
         from .build import installed_key
         from .engine import default_threads
+        from .models import file_sha256
 
-        weights = hashlib.sha256()  # hashlib.file_digest is Python 3.11+; this project runs on 3.10 too
-        with open(model, "rb") as f:
-            while block := f.read(1 << 20):
-                weights.update(block)
-        h = hashlib.sha256(weights.digest())
+        h = hashlib.sha256(bytes.fromhex(file_sha256(model)))
         how = [installed_key(), prefix, n_ubatch, step, list(rpc_servers), n_threads or default_threads()]
         h.update(json.dumps(how).encode())
         h.update(np.asarray(tokens, dtype=np.int32).tobytes())

