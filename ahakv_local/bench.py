@@ -103,7 +103,7 @@ def _policy_rows(policies: list[str], layer_budgets: tuple[str, ...]) -> dict[st
     }
 
 
-def _interleave(runs: dict[str, Callable[[], tuple]], rounds: int, progress) -> dict[str, list[tuple]]:
+def interleave(runs: dict[str, Callable[[], tuple]], rounds: int, progress) -> dict[str, list[tuple]]:
     """Call every run once per round, rotating the order so drift of the machine hits all alike."""
     times: dict[str, list[tuple]] = {name: [] for name in runs}
     for rnd in range(rounds):
@@ -168,7 +168,7 @@ def speed_at_budget(
         )
         models[label] = (llm, tokens[: 2 * budget], lambda llm=llm: llm.kv_controller.live.size)
     try:
-        times = _interleave(
+        times = interleave(
             {name: (lambda m=m: _timed_generate(m[0], m[1], decode_tokens, m[2])) for name, m in models.items()},
             setup.rounds,
             progress,
@@ -234,7 +234,7 @@ def engine_speed_at_budget(
     runs = {label: (lambda b=label: plain_run(b)) for label in BASELINES}
     runs |= {label: (lambda n=label: policy_run(n)) for label in rows}
     try:
-        times = _interleave(runs, setup.rounds, progress)
+        times = interleave(runs, setup.rounds, progress)
         prompts = {name: plain_prompt if name in BASELINES else 2 * budget for name in runs}
         kv_bytes = {name: e.kv_bytes() for name, e in engines.items()}
         return _rows(times, prompts, kv_bytes, budget, decode_tokens)

@@ -20,16 +20,19 @@ from collections.abc import Callable
 
 from common import command_line, file_tokens, llama_decode_times  # benchmarks/ is the script's directory: sys.path[0]
 
+from ahakv_local.bench import interleave
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.models import default_model_path
+from ahakv_local.policies.ahakv import ABLATIONS
 from ahakv_local.session import SessionSpec, open_session
 
+NO_SIDE, NO_ERROR = ABLATIONS["ahakv -sg_softmax"], ABLATIONS["ahakv -error_model"]
 VARIANTS: dict[str, tuple[str, dict]] = {
     "tova": ("tova", {}),
     "ahakv": ("ahakv", {}),
-    "ahakv -sg_softmax": ("ahakv", {"sg_softmax": False}),
-    "ahakv -error_model": ("ahakv", {"error_model": False}),
-    "ahakv -sg_softmax -error_model": ("ahakv", {"sg_softmax": False, "error_model": False}),
+    "ahakv -sg_softmax": ("ahakv", NO_SIDE),
+    "ahakv -error_model": ("ahakv", NO_ERROR),
+    "ahakv -sg_softmax -error_model": ("ahakv", NO_SIDE | NO_ERROR),
 }
 
 
@@ -57,6 +60,17 @@ def main() -> None:
         for label, (policy, params) in VARIANTS.items()
     }
 
+    def timed(read: Callable[[], None]) -> Callable[[], tuple[float, float]]:
+        """``read`` as a run of ``bench.interleave``: (its seconds, those inside llama_decode)."""
+
+        def run() -> tuple[float, float]:
+            with llama_decode_times() as calls:
+                t0 = time.perf_counter()
+                read()
+                return time.perf_counter() - t0, sum(calls)
+
+        return run
+
     def read_trimmed() -> None:
         trimmed.truncate(0)
         for i in range(0, n, args.batch):
@@ -69,17 +83,9 @@ def main() -> None:
 
         return read
 
-    runs = {"trimmed (untapped)": read_trimmed} | {label: read_budgeted(label) for label in sessions}
-    times: dict[str, list[tuple[float, float]]] = {label: [] for label in runs}
+    runs = {"trimmed (untapped)": timed(read_trimmed)} | {label: timed(read_budgeted(label)) for label in sessions}
     try:
-        for rnd in range(args.rounds):
-            names = list(runs)
-            for label in names[rnd % len(names) :] + names[: rnd % len(names)]:  # rotated: drift hits all alike
-                with llama_decode_times() as calls:
-                    t0 = time.perf_counter()
-                    runs[label]()
-                    total = time.perf_counter() - t0
-                times[label].append((total, sum(calls)))
+        times = interleave(runs, args.rounds, lambda _: None)
     finally:
         trimmed.close()
         for s in sessions.values():
