@@ -16,7 +16,7 @@ from . import upstream
 from .errors import EngineNotPatched
 
 # must equal LLAMA_AHAKV_ABI_VERSION of the patch series in patches/
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 BUILD_HINT = "run `ahakv-local build` (add --cuda or --metal for a GPU build) to install the patched engine"
 
@@ -58,6 +58,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "llama_ahakv_layer_is_swa": ([_c.c_void_p, _c.c_int32], _c.c_int32),
     "llama_ahakv_set_tap": ([_ctx, _c.c_uint32, _c.c_int32], None),
     "llama_ahakv_set_next_tap": ([_c.c_uint32, _c.c_int32], None),
+    "llama_ahakv_set_log_level": ([_c.c_int32], None),
     "llama_ahakv_set_side_scale": ([_ctx, _c.c_float], None),
     "llama_ahakv_reset": ([_ctx], None),
     "llama_ahakv_n_rows": ([_ctx], _c.c_int64),

@@ -117,6 +117,7 @@ def set_verbose(verbose: bool) -> None:
     from llama_cpp import _logger
 
     _logger.set_verbose(verbose)
+    _format_debug_lines(verbose)
 
 
 # The vendored ggml numbers its log levels NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (ggml.h).
@@ -125,6 +126,7 @@ def set_verbose(verbose: bool) -> None:
 # not what the command allocates) and every error was hidden. This callback maps them as ggml means them and
 # prints what llama-cpp-python's logger lets through (verbose: everything; otherwise errors), as upstream's does.
 GGML_LOG_LEVELS = {0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+GGML_LOG_DEBUG = 1
 GGML_LOG_CONT = 5  # a continuation of the previous message, at its level
 _last_log_level = logging.CRITICAL
 _log_callback = None  # the ctypes callback: llama.cpp keeps only its address, so this keeps it alive
@@ -149,6 +151,20 @@ def use_ggml_log_levels() -> None:
 
         _log_callback = llama_cpp.llama_log_callback(_print_ggml_log)
         llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        from llama_cpp import _logger
+
+        _format_debug_lines(_logger.logger.level <= logging.DEBUG)
+
+
+def _format_debug_lines(verbose: bool) -> None:
+    """Whether llama.cpp formats its debug lines at all (patch 0024): only for a verbose caller, since otherwise
+    ``_print_ggml_log`` prints none, and a context with one cache per layer logs ~1,340 of them as it is made (~5 ms
+    of each adaptive resize). Info and above are formatted as before: a plain ``llama_cpp.Llama(verbose=True)`` in
+    the same process, whose verbosity this module does not see, still prints those. (An unpatched library has no
+    such switch; ``native.lib`` refuses it.)"""
+    lib = cdll()
+    if hasattr(lib, "llama_ahakv_set_log_level"):
+        lib.llama_ahakv_set_log_level(GGML_LOG_DEBUG if verbose else GGML_LOG_DEBUG + 1)
 
 
 def load_model(path: str, params, verbose: bool):

@@ -93,10 +93,20 @@ def test_a_resize_without_holes_is_bit_for_bit(six_layers, license_text):
             np.testing.assert_array_equal(a.decode([toks[t]]), b.decode([toks[t]]), f"logits at position {t}")
 
 
-def test_the_value_norms_survive_a_resize(six_layers, license_text):
-    """The value norms are not in llama.cpp's state: the reader recomputes them from V on the host. They equal
-    the ones the graph wrote, to an F32 norm's rounding in another order (norm_rtol(head_dim), each side)."""
-    with make_engine(six_layers, layer_groups=PER_LAYER, cache_cells=(64,) * 6) as e:
+@pytest.mark.parametrize(
+    "kv",
+    [
+        dict(type_k="f32", type_v="f32"),  # V transposed (the non-flash path), F32: copied
+        dict(type_k="f16", type_v="f16"),  # transposed, F16: through patch 0023's table
+        dict(type_k="f16", type_v="f16", flash_attn=True),  # V by cell (flash attention)
+    ],
+    ids=["f32", "f16", "f16-flash"],
+)
+def test_the_value_norms_survive_a_resize(six_layers, license_text, kv):
+    """The value norms are not in llama.cpp's state: the reader recomputes them from V on the host, in either
+    layout of V and any type. They equal the ones the graph wrote from the same stored values, to an F32 norm's
+    rounding in another order (norm_rtol(head_dim), each side)."""
+    with make_engine(six_layers, layer_groups=PER_LAYER, cache_cells=(64,) * 6, **kv) as e:
         toks = tokens(e, license_text, 41)
         e.set_tap(TapFlag.VNORM, 0)
         e.decode(toks[:40])

@@ -91,6 +91,35 @@ def test_llama_cpp_log_follows_ggmls_own_levels(capsys):
         _logger.logger.setLevel(level)
 
 
+def test_debug_lines_are_formatted_only_for_a_verbose_caller(fixture_model):
+    """Patch 0024: not verbose, llama.cpp drops its debug lines before formatting them (the callback would print
+    none; a context with a cache per layer logs ~1,340 as it is made); verbose, they reach the callback as before,
+    and info lines reach it either way. Known answer: a counting callback sees no debug line from a quiet context
+    and some from a verbose one, and info lines from both."""
+    from llama_cpp import _logger
+
+    from ahakv_local.engine import Engine, EngineConfig
+
+    upstream.use_ggml_log_levels()
+    level = _logger.logger.level
+    seen: list[int] = []
+    counting = llama_cpp.llama_log_callback(lambda lvl, _text, _data: seen.append(lvl))
+    llama_cpp.llama_log_set(counting, None)
+    try:
+        by_level = {}
+        for verbose in (False, True):
+            seen.clear()
+            with Engine(fixture_model, EngineConfig(n_ctx=256, verbose=verbose)):
+                pass
+            by_level[verbose] = {lvl: seen.count(lvl) for lvl in (upstream.GGML_LOG_DEBUG, upstream.GGML_LOG_DEBUG + 1)}
+        assert by_level[False][upstream.GGML_LOG_DEBUG] == 0 and by_level[True][upstream.GGML_LOG_DEBUG] > 0
+        assert by_level[False][upstream.GGML_LOG_DEBUG + 1] > 0 and by_level[True][upstream.GGML_LOG_DEBUG + 1] > 0
+    finally:
+        llama_cpp.llama_log_set(upstream._log_callback, None)
+        upstream.set_verbose(False)
+        _logger.logger.setLevel(level)
+
+
 def test_a_quiet_model_says_nothing_on_stderr(gemma_model, capfd):
     """The embedded model read under a budget, not verbose: llama.cpp's warnings (the model probe's full-size
     sliding-window cache among them) stay quiet, and the Llama drop-in's own load too."""
