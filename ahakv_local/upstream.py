@@ -158,10 +158,10 @@ def use_ggml_log_levels() -> None:
 
 def _format_debug_lines(verbose: bool) -> None:
     """Whether llama.cpp formats its debug lines at all (patch 0024): only for a verbose caller, since otherwise
-    ``_print_ggml_log`` prints none, and a context with one cache per layer logs ~1,340 of them as it is made (~5 ms
-    of each adaptive resize). Info and above are formatted as before: a plain ``llama_cpp.Llama(verbose=True)`` in
-    the same process, whose verbosity this module does not see, still prints those. (An unpatched library has no
-    such switch; ``native.lib`` refuses it.)"""
+    ``_print_ggml_log`` prints none, and a context with one cache per layer logs 1,345 of them as it is made, each
+    formatted and passed into Python (benchmarks/context_log_lines.py). Info and above are formatted as before: a
+    plain ``llama_cpp.Llama(verbose=True)`` in the same process, whose verbosity this module does not see, still
+    prints those. (An unpatched library has no such switch; ``native.lib`` refuses it.)"""
     lib = cdll()
     if hasattr(lib, "llama_ahakv_set_log_level"):
         lib.llama_ahakv_set_log_level(GGML_LOG_DEBUG if verbose else GGML_LOG_DEBUG + 1)
