@@ -650,7 +650,7 @@ class Engine:
         (ascending positions; what a cache holds outside it is left out): one cell-map read per cache, one native
         read per layer and kind. Per-layer layouts read 18 one-layer groups about 36 times per 32 decode steps:
         the gathers are ``np.take`` into the output, and a cache holding exactly ``live`` (every group's own cache,
-        the shared pool) skips the scatter (~120 -> ~45 us a one-layer read, benchmarks/profile_decode.py)."""
+        the shared pool) skips the scatter (benchmarks/RESULTS.md, "A cheaper resize": the controller's time)."""
         n = live.size
         newest = self.n_past - 1
         layers = range(self.n_layer) if layers is None else [int(il) for il in layers]
