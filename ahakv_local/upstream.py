@@ -126,7 +126,7 @@ def set_verbose(verbose: bool) -> None:
 # not what the command allocates) and every error was hidden. This callback maps them as ggml means them and
 # prints what llama-cpp-python's logger lets through (verbose: everything; otherwise errors), as upstream's does.
 GGML_LOG_LEVELS = {0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
-GGML_LOG_DEBUG = 1
+GGML_LOG_DEBUG, GGML_LOG_INFO = 1, 2
 GGML_LOG_CONT = 5  # a continuation of the previous message, at its level
 _last_log_level = logging.CRITICAL
 _log_callback = None  # the ctypes callback: llama.cpp keeps only its address, so this keeps it alive
@@ -164,7 +164,7 @@ def _format_debug_lines(verbose: bool) -> None:
     prints those. (An unpatched library has no such switch; ``native.lib`` refuses it.)"""
     lib = cdll()
     if hasattr(lib, "llama_ahakv_set_log_level"):
-        lib.llama_ahakv_set_log_level(GGML_LOG_DEBUG if verbose else GGML_LOG_DEBUG + 1)
+        lib.llama_ahakv_set_log_level(GGML_LOG_DEBUG if verbose else GGML_LOG_INFO)
 
 
 def load_model(path: str, params, verbose: bool):
