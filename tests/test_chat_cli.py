@@ -34,7 +34,7 @@ def test_chat_session(chat, tmp_path):
     c = chat
     c.expect("> ")
     # an answer that would run its 200 tokens (the default model counts on), stopped as soon as it streams: a fixed
-    # wait made this test depend on the machine's speed (2.5 s held 165 tokens of a 70 token/s CPU)
+    # wait made this test depend on the machine's speed (after 2.5 s a 70 token/s CPU had seen 205 tokens)
     c.sendline("Please count from 1 to 200: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,")
     c.expect("10,\r\n")  # the echo of the line: the answer starts now
     c.expect(r"\d")  # its first digit is on the screen
