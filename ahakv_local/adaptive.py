@@ -39,7 +39,7 @@ def fill(obs: Observation) -> float | None:
     n = int(np.count_nonzero(seen))
     if n < 2:
         return None
-    a = obs.attn[0][:, seen].astype(np.float64)
+    a = (obs.attn[0] if n == seen.size else obs.attn[0][:, seen]).astype(np.float64)
     total = a.sum(axis=1, keepdims=True)
     p = np.divide(a, total, out=np.zeros_like(a), where=total > 0)
     entropy = -(p * np.log(np.where(p > 0, p, 1.0))).sum(axis=1)

@@ -648,15 +648,16 @@ class Engine:
     def aligned(self, live: np.ndarray, flags: TapFlag, layers: Sequence[int] | None = None) -> Aligned:
         """The statistics of ``flags`` for every layer (or for ``layers``, in that order), aligned with ``live``
         (ascending positions; what a cache holds outside it is left out): one cell-map read per cache, one native
-        read per layer and kind. Per-layer layouts read 18 one-layer groups about 36 times per 32 decode steps:
-        the gathers are ``np.take`` into the output, and a cache holding exactly ``live`` (every group's own cache,
-        the shared pool) skips the scatter (benchmarks/RESULTS.md, "A cheaper resize": the controller's time)."""
+        read per layer and kind. Per-layer layouts read 18 one-layer groups about 36 times per 32 decode steps, so
+        the common shapes skip the scatter: a cache holding exactly ``live`` (every full-attention layer's own cache,
+        the shared pool) or its tail (a sliding cache: what its window still sees of ``live``) is gathered with
+        ``np.take`` straight into place (benchmarks/RESULTS.md, "A cheaper resize" and "Per-layer bookkeeping")."""
         n = live.size
         newest = self.n_past - 1
         layers = range(self.n_layer) if layers is None else [int(il) for il in layers]
         caches = [self.layer_cache[il] for il in layers]
-        # cache -> (index into live, or None for all of it in order; the cells holding them)
-        where: dict[Cache, tuple[np.ndarray | None, np.ndarray]] = {}
+        # cache -> (where its positions go in live: all of it, a tail slice, or an index; its cells holding them)
+        where: dict[Cache, tuple[slice | np.ndarray, np.ndarray]] = {}
         for il, cache in zip(layers, caches, strict=True):
             if cache is LayerCache.NONE or cache in where:
                 continue
@@ -664,8 +665,9 @@ class Engine:
             if self.layer_sliding[il] and self.n_swa > 0:  # the window sees the last n_swa positions
                 seen = newest - positions < self.n_swa
                 positions, cells = positions[seen], cells[seen]
-            if positions.size == n and np.array_equal(positions, live):
-                where[cache] = (None, cells)
+            m = positions.size
+            if m <= n and np.array_equal(positions, live[n - m :]):
+                where[cache] = (slice(n - m, n), cells)
                 continue
             idx = np.searchsorted(live, positions)
             held = idx < n
@@ -674,8 +676,7 @@ class Engine:
         visible = np.zeros((len(layers), n), dtype=bool)
         for i, cache in enumerate(caches):
             if cache is not LayerCache.NONE:
-                idx = where[cache][0]
-                visible[i, slice(None) if idx is None else idx] = True
+                visible[i, where[cache][0]] = True
         values = {}
         wanted = int(flags)
         for flag, kind in STAT_KINDS.items():
@@ -685,11 +686,12 @@ class Engine:
             for i, (il, cache) in enumerate(zip(layers, caches, strict=True)):
                 if cache is LayerCache.NONE:
                     continue
-                idx, cells = where[cache]
-                if idx is None:
-                    np.take(self.stat_by_cell(kind, il), cells, axis=1, out=out[i])
+                to, cells = where[cache]
+                by_cell = self.stat_by_cell(kind, il)
+                if isinstance(to, slice) and to.start == 0:
+                    np.take(by_cell, cells, axis=1, out=out[i])
                 else:
-                    out[i][:, idx] = np.take(self.stat_by_cell(kind, il), cells, axis=1)
+                    out[i][:, to] = np.take(by_cell, cells, axis=1)
             values[flag] = out
         return Aligned(visible, values)
 

@@ -162,6 +162,9 @@ def test_fill_is_the_effective_share_of_what_a_layer_sees():
     mixed[0, 10:20], mixed[1, 25:40] = 0.1, 1 / 15
     assert fill(observation(mixed, seen)) == pytest.approx((10 + 15) / 2 / 30)
     assert fill(Observation(np.arange(n), n, 1, n, seen[None, :])) is None  # no softmax tapped
+    every = np.ones(n, dtype=bool)  # a layer that sees all it holds (no mask to apply)
+    assert fill(observation(np.ones((4, n)), every)) == pytest.approx(1.0)
+    assert fill(observation(one_hot, every)) == pytest.approx(1 / 40)
 
 
 def test_shares_follow_the_fill_within_each_kind(monkeypatch):
@@ -450,3 +453,27 @@ def test_statistics_of_other_layers_align_with_one_layers_positions(six_layers, 
                 got.values[TapFlag.ATTN][row][:, both], own.values[:, np.isin(own.positions, live)]
             )
             assert not got.values[TapFlag.ATTN][row][:, ~both].any()
+
+
+def test_a_sliding_layers_statistics_align_with_the_positions_its_window_sees(six_layers, license_text):
+    """A sliding layer's cache still holds positions that left its window (llama.cpp reuses their cells only when it
+    needs them): aligned with everything the cache holds, the statistics are that layer's own by position inside the
+    window (``stat``) and zero, not visible, outside it."""
+    with make_engine(six_layers, layer_groups=PER_LAYER, cache_cells=(64,) * 6) as e:
+        toks = tokens(e, license_text, 41)
+        e.decode(toks[:40])
+        e.evict([30, 33], cache=e.layer_cache[0])  # holes inside the window too
+        e.set_tap(TapFlag.ATTN | TapFlag.VNORM, 0)
+        e.reset_stats()
+        e.decode([toks[40]])
+        assert e.layer_sliding[0] and 0 < e.n_swa < 40
+        live = e.live_positions(0).astype(np.int64)
+        seen = e.n_past - 1 - live < e.n_swa
+        assert seen.any() and not seen.all()  # some of what the cache holds is outside the window
+        got = e.aligned(live, TapFlag.ATTN | TapFlag.VNORM, [0])
+        np.testing.assert_array_equal(got.visible[0], seen)
+        for flag, kind in ((TapFlag.ATTN, "attn"), (TapFlag.VNORM, "vnorm")):
+            own = e.stat(kind, 0)
+            inside = np.isin(own.positions, live[seen])
+            np.testing.assert_array_equal(got.values[flag][0][:, seen], own.values[:, inside])
+            assert not got.values[flag][0][:, ~seen].any()

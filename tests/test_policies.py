@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ahakv_local.policies import POLICIES, Observation, make_policy
+from ahakv_local.policies.ahakv import head_median
 from ahakv_local.policies.base import avg_pool
 
 from numerics import sum_rtol
@@ -85,8 +86,11 @@ def expected_scores(name: str, steps: list[Observation]) -> np.ndarray | None:
     return None  # random and ahakv: specific tests below
 
 
+@pytest.mark.parametrize("seen", ["one layer slides", "every position"])
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_policy_follows_its_rule(name):
+def test_policy_follows_its_rule(name, seen, monkeypatch):
+    if seen == "every position":  # a group whose layers see all it holds takes a shortcut (no masking): same rule
+        monkeypatch.setitem(globals(), "VISIBLE", np.ones((L, N), dtype=bool))
     policy = make_policy(name)
     steps = synthetic_steps()
     for obs in steps:
@@ -260,3 +264,12 @@ def test_avg_pool_is_a_window_mean(kernel):
     got = avg_pool(x, kernel)
     want = np.stack([window_mean(row, kernel) for row in x])
     np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 517, 518])
+def test_ahakv_head_median_is_numpys_median(n):
+    """AhaKV's median of each head's distances (the stand-in for positions not measured yet) is np.median's, to the
+    last bit: the same partition and the same mean of the middle pair, odd and even counts."""
+    rng = np.random.default_rng(n)
+    dist = rng.lognormal(0.0, 1.0, (2, 4, n))
+    np.testing.assert_array_equal(head_median(dist), np.median(dist, axis=2, keepdims=True))

@@ -183,13 +183,26 @@ def test_client_leaving_mid_stream_frees_the_model(server, client):
     assert generated(server) - before < LIMIT // 4 + 4
 
 
+def seconds_per_token(server: str) -> float:
+    """This machine's decode time per token through the server: two requests of REPEAT that differ by 16 tokens."""
+    took = []
+    for n in (1, 17):
+        t0 = time.monotonic()
+        call(server, "/v1/completions", {"prompt": REPEAT, "max_tokens": n, "temperature": 0})
+        took.append(time.monotonic() - t0)
+    return max(took[1] - took[0], 0.0) / 16
+
+
 def test_client_leaving_a_plain_request_cancels_it(server):
+    # the drop comes about an eighth of the way through LIMIT tokens (0.5 s at most), whatever this machine's speed
+    wait = min(0.5, LIMIT * seconds_per_token(server) / 8)
     before = generated(server)
     sock = open_request(server, "/v1/completions", {"prompt": REPEAT, "max_tokens": 0})
-    time.sleep(0.5)  # the generation is under way (the server polls for a gone client every 0.25 s)
+    time.sleep(wait)
     drop(sock)
     assert call(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200
-    # LIMIT tokens take ~4 s here; the server stopped within ~1 s of the drop, so far fewer went by
+    # the server polls for a gone client every 0.25 s, so it stops an eighth of the way in plus ~0.25 s of tokens:
+    # under 3/4 of LIMIT up to ~400 tokens/s (1 thread here: ~40)
     assert generated(server) - before < LIMIT * 3 // 4
 
 

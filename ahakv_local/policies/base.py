@@ -45,7 +45,7 @@ class Observation:
 def holistic_sum(x: np.ndarray, visible: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
     """[L, H, n] -> [n]: the weighted mean over the layers and heads that can see each position."""
     w = np.ones(x.shape[:2]) if weights is None else weights
-    num = np.einsum("lh,lhn->n", w, np.where(visible[:, None, :], x, 0.0))
+    num = np.einsum("lh,lhn->n", w, x if visible.all() else np.where(visible[:, None, :], x, 0.0))
     den = np.einsum("lh,ln->n", w, visible.astype(np.float64))
     return np.divide(num, den, out=np.zeros_like(num, dtype=np.float64), where=den > 0)
 
