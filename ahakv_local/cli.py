@@ -378,7 +378,7 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets) -> None:
 @click.argument("model", required=False, envvar="AHAKV_MODEL")
 @engine_options
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="AHAKV_HOST")
-@click.option("--port", default=8000, show_default=True, envvar="AHAKV_PORT")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, envvar="AHAKV_PORT")
 @click.option(
     "--max-tokens-limit",
     type=Positive,

@@ -396,10 +396,28 @@ def bench_group() -> None:
 @bench_group.command("speed")
 @click.argument("model", required=False, envvar="AHAKV_MODEL")
 @click.option("--text", "text_files", multiple=True, help="Text to read (default: every license in /usr/share).")
-@click.option("--budget", default=512, show_default=True, help="Live cells for the side-by-side comparison.")
+@click.option(
+    "--budget",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="Live cells for the side-by-side comparison.",
+)
 @click.option("--policies", default="all", show_default=True, help="Comma-separated policy names, or all.")
-@click.option("--decode-tokens", default=64, show_default=True, help="Tokens generated per round.")
-@click.option("--rounds", default=5, show_default=True, help="Interleaved rounds (medians are reported).")
+@click.option(
+    "--decode-tokens",
+    type=click.IntRange(min=2),
+    default=64,
+    show_default=True,
+    help="Tokens generated per round (the first comes from the prompt's logits: at least 2).",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="Interleaved rounds (medians are reported).",
+)
 @click.option("--evict-every", type=int, default=None, help="Decode steps between evictions (default: the product's).")
 @click.option("--observe-steps", default=1, show_default=True, help="Observed steps before each eviction (0: all).")
 @click.option(
@@ -460,6 +478,12 @@ def bench_speed(
     layouts = _layer_budgets(layer_budgets)
     if long_budget is not None:
         Budget.parse(long_budget)  # a bad one fails now, not after the speed runs
+    try:
+        long_points = [int(c) for c in long_context.split(",") if c.strip()]
+    except ValueError:
+        raise AhakvError(f"--long-context takes token counts, comma-separated, not {long_context!r}") from None
+    if any(c < 1 for c in long_points):
+        raise AhakvError(f"--long-context checkpoints must be at least 1 token, not {long_context!r}")
     files = list(text_files) or sorted(str(p) for p in LICENSES.iterdir() if not p.is_symlink())
     ids = text_tokens(path, "\n".join(_read(f) for f in files))
     evict_every, observe = parse_schedule(evict_every, observe_steps)
@@ -487,7 +511,7 @@ def bench_speed(
     for rows in (app, core):
         memory_at(path, rows, memory_context, BATCH)  # the runs' n_ubatch
     settings = dataclasses.asdict(setup) | {"memory_context": memory_context}
-    checkpoints = sorted({min(int(c), trained - decode_tokens - 1) for c in long_context.split(",") if c.strip()})
+    checkpoints = sorted({min(c, trained - decode_tokens - 1) for c in long_points})
     checkpoints = [c for c in checkpoints if c + 16 <= len(ids)]
     long_rows = []
     if checkpoints:

@@ -255,6 +255,24 @@ def test_bad_option_values_are_one_line(fixture_model):
     )
 
 
+@pytest.mark.parametrize(
+    ("args", "pattern", "code"),
+    [
+        (["bench", "speed", "--rounds", "0"], r"error: Invalid value for '--rounds': 0 is not in the range x>=1", 2),
+        (["bench", "speed", "--decode-tokens", "1"], r"error: Invalid value for '--decode-tokens': 1 is not in", 2),
+        (["bench", "speed", "--budget", "0"], r"error: Invalid value for '--budget': 0 is not in the range x>=1", 2),
+        (["bench", "speed", "--long-context", "2K"], r"error: --long-context takes token counts, comma-separated", 1),
+        (["bench", "speed", "--long-context", "0"], r"error: --long-context checkpoints must be at least 1 token", 1),
+        (["serve", "", "--port", "99999"], r"error: Invalid value for '--port': 99999 is not in the range 1<=x", 2),
+    ],
+)
+def test_bench_and_serve_refuse_bad_values_in_one_line(fixture_model, args, pattern, code):
+    """Each of these was a traceback (a median of no rounds, a division by no decoded token, int('2K'), a port
+    the socket refuses), or ran the whole benchmark before failing."""
+    command = [word for word in args[:2] if word]  # the command's words, then the model, then its options
+    assert_one_line_error(ahakv(*command, str(fixture_model), *args[2:]), pattern, code=code)
+
+
 def test_budget_past_the_trained_context_is_refused_before_allocating(fixture_model):
     assert_one_line_error(
         ahakv("generate", str(fixture_model), "-p", "x", "--budget", "1e9"),
