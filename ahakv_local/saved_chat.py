@@ -11,6 +11,7 @@ foreign file is refused with one line and the running conversation stays as it w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import zipfile
 from pathlib import Path
@@ -54,10 +55,15 @@ def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None
         "cache_cells": [int(n) for n in state.kv_cache_cells] if getattr(state, "kv_cache_cells", None) else None,
     }
     tmp = path.with_name(path.name + ".tmp")
-    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
-        z.writestr("chat.json", json.dumps(meta, ensure_ascii=False))
-        z.writestr("state.bin", state.llama_state)
-    tmp.replace(path)
+    try:
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
+            z.writestr("chat.json", json.dumps(meta, ensure_ascii=False))
+            z.writestr("state.bin", state.llama_state)
+        tmp.replace(path)
+    except OSError as exc:  # a missing folder, no permission, a full disk: one line, and no half-written file left
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise AhakvError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def load_chat(path: Path, llm) -> tuple[list[dict], str | None]:

@@ -138,6 +138,22 @@ def test_foreign_and_damaged_files_change_nothing(chat, tmp_path):
     assert talk(chat, "still there?") is not None  # the session still answers
 
 
+def test_a_save_that_cannot_be_written_is_one_line_and_leaves_nothing_behind(chat, tmp_path):
+    talk(chat, "hello")
+    with pytest.raises(AhakvError, match=r"cannot write .*absent.*: No such file or directory"):
+        command(chat, "/save", str(tmp_path / "absent" / "conv.chat"))
+    # a folder where the file would go: the conversation is written in full, then cannot take the folder's place
+    # (refused even to root); the folder keeps what it held and the temporary file goes
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "mine.txt").write_text("keep me")
+    with pytest.raises(AhakvError, match=r"cannot write .*notes: (Is a directory|Directory not empty)"):
+        command(chat, "/save", str(folder))
+    assert (folder / "mine.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]
+    assert talk(chat, "still there?") is not None  # the session goes on
+
+
 def test_a_message_longer_than_the_context_is_taken_back(chat):
     talk(chat, "hello")
     before = list(chat.messages)
