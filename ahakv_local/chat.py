@@ -7,6 +7,7 @@ prompt is pinned. Ctrl-C stops an answer; a second Ctrl-C (before the next answe
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -249,9 +250,22 @@ def keep_transcript(session: ChatSession) -> None:
     if not any(m["role"] == "user" for m in session.messages):
         return
     folder = cache_dir() / "chats"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / time.strftime("chat-%Y%m%d-%H%M%S.json")
-    path.write_text(session.transcript(), encoding="utf-8")
+    text = session.transcript()
+    stamp = time.strftime("chat-%Y%m%d-%H%M%S")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for n in itertools.count(1):  # two chats ending in the same second each keep their own file
+            path = folder / (f"{stamp}.json" if n == 1 else f"{stamp}-{n}.json")
+            try:
+                with path.open("x", encoding="utf-8") as f:
+                    f.write(text)
+                break
+            except FileExistsError:
+                continue
+    except OSError as exc:  # no file to keep it in: the terminal gets it instead
+        click.echo(f"error: cannot keep the conversation in {folder}: {exc.strerror or exc}; here it is:", err=True)
+        click.echo(text, err=True)
+        return
     click.echo(f"conversation saved to {path}", err=True)
 
 

@@ -15,7 +15,7 @@ import pexpect
 import pytest
 
 from ahakv_local import Llama
-from ahakv_local.chat import ChatSession, command
+from ahakv_local.chat import ChatSession, command, keep_transcript
 from ahakv_local.errors import AhakvError
 from ahakv_local.fixture import FixtureSpec
 from ahakv_local.models import fixture_path
@@ -152,6 +152,31 @@ def test_a_save_that_cannot_be_written_is_one_line_and_leaves_nothing_behind(cha
     assert (folder / "mine.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]
     assert talk(chat, "still there?") is not None  # the session goes on
+
+
+def test_chats_ending_in_the_same_second_keep_a_transcript_each(chat, tmp_path, monkeypatch):
+    monkeypatch.setenv("AHAKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("ahakv_local.chat.time.strftime", lambda _: "chat-20261205-120000")
+    talk(chat, "first")
+    keep_transcript(chat)
+    talk(chat, "second")
+    keep_transcript(chat)  # the same second: before, this replaced the first chat's file
+    kept = sorted((tmp_path / "chats").iterdir())
+    assert [p.name for p in kept] == ["chat-20261205-120000-2.json", "chat-20261205-120000.json"]
+    first, second = (json.loads(p.read_text()) for p in reversed(kept))
+    assert [m["content"] for m in first if m["role"] == "user"] == ["first"]
+    assert [m["content"] for m in second if m["role"] == "user"] == ["first", "second"]
+
+
+def test_a_transcript_with_nowhere_to_go_is_shown_not_lost(chat, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("AHAKV_CACHE_DIR", str(blocker / "cache"))  # a folder under a file: refused even to root
+    talk(chat, "remember this")
+    keep_transcript(chat)
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot keep the conversation in {blocker / 'cache' / 'chats'}: Not a directory")
+    assert "remember this" in err and "Traceback" not in err
 
 
 def test_a_message_longer_than_the_context_is_taken_back(chat):
