@@ -6,6 +6,7 @@ results.md and PNG plots under --out, and shows a progress bar on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -94,6 +95,26 @@ def _read(path: str) -> str:
         raise AhakvError(f"cannot read {path}: {exc.strerror}") from None
 
 
+def _out(out_dir: str) -> Path:
+    """The outputs' folder, tried now: one that cannot be written fails in one line before the run, not in a
+    traceback after it (the results lost). What the try makes goes again: a run refused later leaves nothing."""
+    import tempfile
+
+    out = Path(out_dir)
+    made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise AhakvError(f"cannot write the outputs to {out}: {exc.strerror or exc}") from None
+    finally:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+    return out
+
+
 def _model(model: str | None) -> Path:
     from .models import resolve_model
     from .native import lib
@@ -158,7 +179,13 @@ def eval_group() -> None:
 @click.argument("model", required=False, envvar="AHAKV_MODEL")
 @click.option("--text", "text_file", default=str(LICENSES / "GPL-3"), show_default=True, help="Text to stream.")
 @click.option("--tokens", default=1024, show_default=True, help="Tokens of the text to use.")
-@click.option("--prefix", default=128, show_default=True, help="Tokens decoded in chunks before stepping.")
+@click.option(
+    "--prefix",
+    type=click.IntRange(min=1),
+    default=128,
+    show_default=True,
+    help="Tokens decoded in chunks before stepping.",
+)
 @click.option(
     "--budgets",
     default="128",
@@ -194,6 +221,7 @@ def eval_ppl(
     from .report import write_ppl_report
 
     rpc_servers = parse_rpc(rpc)
+    out = _out(out_dir)
     path = _model(model)
     ids = text_tokens(path, _read(text_file))[:tokens]
     if len(ids) <= prefix + 1:
@@ -227,7 +255,7 @@ def eval_ppl(
             progress=lambda done, total: bar.update(done - bar.n),
             rpc_servers=rpc_servers,
         )
-    for line in write_ppl_report(Path(out_dir), results, path, text_file, len(ids), step):
+    for line in write_ppl_report(out, results, path, text_file, len(ids), step):
         click.echo(line)
 
 
@@ -238,7 +266,7 @@ def eval_ppl(
 @click.option("--depths", default="0.1,0.5,0.9", show_default=True, help="Where the key sits (fractions).")
 @click.option("--budgets", default="256", show_default=True, help="Comma-separated cells.")
 @click.option("--policies", default="all", show_default=True, help="Comma-separated policy names, or all.")
-@click.option("--trials", default=1, show_default=True, help="Keys per length and depth.")
+@click.option("--trials", type=click.IntRange(min=1), default=1, show_default=True, help="Keys per length and depth.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--sinks", default=4, show_default=True)
 @click.option("--recent", default=32, show_default=True)
@@ -252,6 +280,7 @@ def eval_needle(
     from .report import write_needle_report
 
     rpc_servers = parse_rpc(rpc)
+    out = _out(out_dir)
     path = _model(model)
     filler = _read(filler_file)
     lens, deps = _lengths_and_depths(lengths, depths)
@@ -279,7 +308,7 @@ def eval_needle(
             )
         except ValueError as exc:
             raise AhakvError(str(exc)) from None
-    for line in write_needle_report(Path(out_dir), trials_, path, filler_file):
+    for line in write_needle_report(out, trials_, path, filler_file):
         click.echo(line)
 
 
@@ -349,6 +378,7 @@ def eval_longdoc(
     from .budget import check_layer_kinds
     from .info import read_info
 
+    out = _out(out_dir)
     path = _model(model)
     info = read_info(path)
     trained = info.n_ctx_train
@@ -383,7 +413,7 @@ def eval_longdoc(
                     trials=trials, seed=seed, sinks=sinks, recent=recent, layer_budgets=layouts,
                     filler_files=files, threads=threads)  # fmt: skip
     filler = files[0] + (f" (then {len(files) - 1} more texts as a length needs)" if len(files) > 1 else "")
-    for line in write_longdoc_report(Path(out_dir), results, path, filler, settings):
+    for line in write_longdoc_report(out, results, path, filler, settings):
         click.echo(line)
 
 
@@ -473,6 +503,7 @@ def bench_speed(
     from .info import read_info
     from .report import write_speed_report
 
+    out = _out(out_dir)
     path = _model(model)
     names = _policies(policies)
     layouts = _layer_budgets(layer_budgets)
@@ -534,5 +565,5 @@ def bench_speed(
         )
         for bar in bars.values():
             bar.close()
-    for line in write_speed_report(Path(out_dir), app, core, long_rows, path, files, settings):
+    for line in write_speed_report(out, app, core, long_rows, path, files, settings):
         click.echo(line)

@@ -264,6 +264,8 @@ def test_bad_option_values_are_one_line(fixture_model):
         (["bench", "speed", "--long-context", "2K"], r"error: --long-context takes token counts, comma-separated", 1),
         (["bench", "speed", "--long-context", "0"], r"error: --long-context checkpoints must be at least 1 token", 1),
         (["serve", "", "--port", "99999"], r"error: Invalid value for '--port': 99999 is not in the range 1<=x", 2),
+        (["eval", "needle", "--trials", "0"], r"error: Invalid value for '--trials': 0 is not in the range x>=1", 2),
+        (["eval", "ppl", "--prefix", "-1"], r"error: Invalid value for '--prefix': -1 is not in the range x>=1", 2),
     ],
 )
 def test_bench_and_serve_refuse_bad_values_in_one_line(fixture_model, args, pattern, code):
@@ -271,6 +273,15 @@ def test_bench_and_serve_refuse_bad_values_in_one_line(fixture_model, args, patt
     the socket refuses), or ran the whole benchmark before failing."""
     command = [word for word in args[:2] if word]  # the command's words, then the model, then its options
     assert_one_line_error(ahakv(*command, str(fixture_model), *args[2:]), pattern, code=code)
+
+
+@pytest.mark.parametrize("command", [["eval", "ppl"], ["eval", "needle"], ["eval", "longdoc"], ["bench", "speed"]])
+def test_an_output_folder_that_cannot_be_written_is_refused_before_the_run(fixture_model, command, tmp_path):
+    """It was a traceback after the whole run, its results lost."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = ahakv(*command, str(fixture_model), "--out", str(blocker / "out"))  # a folder under a file: even for root
+    assert_one_line_error(proc, rf"error: cannot write the outputs to {re.escape(str(blocker / 'out'))}: Not a dir")
 
 
 def test_budget_past_the_trained_context_is_refused_before_allocating(fixture_model):
