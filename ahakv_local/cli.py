@@ -199,13 +199,22 @@ def utf8(data: bytes, where: str) -> str:
         raise AhakvError(f"{where} is not UTF-8 text (byte {exc.start}): convert it first, e.g. with iconv") from None
 
 
+def check_model(path, batch_size: int | None) -> None:
+    """One-line errors before llama.cpp reads the model: an unsupported architecture, a batch past the trained context
+    (llama-cpp-python holds batch x vocabulary logits: Gemma 3's --batch-size 100000 asked for 97.7 GiB)."""
+    from .info import read_info
+
+    trained = read_info(path).n_ctx_train
+    if batch_size is not None and batch_size > trained:
+        raise AhakvError(f"--batch-size {batch_size} is more than the model's trained context ({trained} tokens)")
+
+
 def load_llama(
     model, ctx_size, budget, policy, sinks, recent, error_tol, evict_every, observe_steps, threads, n_gpu_layers,
     batch_size, reading="query", layer_budgets=None, rpc=None, **extra,
 ):  # fmt: skip
     """Resolve, check and load a model as an ahakv_local.Llama; every user mistake is an AhakvError."""
     from .budget import Budget, parse_schedule
-    from .info import read_info
     from .models import resolve_model
     from .policies import make_policy
 
@@ -216,7 +225,7 @@ def load_llama(
     evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
     rpc = parse_rpc(rpc)  # reachability when the model loads
     path = resolve_model(model, progress=True)
-    read_info(path)  # a clear error for an unsupported architecture before llama.cpp tries
+    check_model(path, batch_size)
     from .engine import default_threads
     from .native import lib
 
@@ -250,6 +259,10 @@ def load_llama(
         )
     except ValueError as exc:
         raise AhakvError(f"cannot load {path}: {exc}") from None
+    except MemoryError:  # llama-cpp-python holds batch x vocabulary logits (1 MiB a token on Gemma 3's 262,144)
+        raise AhakvError(
+            f"not enough memory to load {path.name} with a batch of {batch_size} tokens: lower --batch-size"
+        ) from None
 
 
 @main.command()
@@ -433,12 +446,11 @@ def load_pool(
         reading=reading,
     )  # fmt: skip
     rpc = parse_rpc(rpc)  # reachability when the model loads
-    from .info import read_info
     from .models import resolve_model
     from .native import lib
 
     path = resolve_model(model, progress=True)
-    read_info(path)  # a clear error for an unsupported architecture before llama.cpp tries
+    check_model(path, batch_size)
     lib()  # refuse an unpatched or missing engine with one line
     from .engine import Engine, EngineConfig
     from .parallel import SequencePool

@@ -284,6 +284,14 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_the_run(fixtu
     assert_one_line_error(proc, rf"error: cannot write the outputs to {re.escape(str(blocker / 'out'))}: Not a dir")
 
 
+def test_a_batch_past_the_trained_context_is_refused_before_allocating(fixture_model):
+    # llama-cpp-python holds batch x vocabulary logits: Gemma 3's --batch-size 100000 asked for 97.7 GiB, a traceback
+    assert_one_line_error(
+        ahakv("generate", str(fixture_model), "-p", "x", "--batch-size", "5000"),
+        r"error: --batch-size 5000 is more than the model's trained context \(4096 tokens\)",
+    )
+
+
 def test_budget_past_the_trained_context_is_refused_before_allocating(fixture_model):
     assert_one_line_error(
         ahakv("generate", str(fixture_model), "-p", "x", "--budget", "1e9"),
