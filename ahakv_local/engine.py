@@ -651,7 +651,8 @@ class Engine:
         read per layer and kind. Per-layer layouts read 18 one-layer groups about 36 times per 32 decode steps, so
         the common shapes skip the scatter: a cache holding exactly ``live`` (every full-attention layer's own cache,
         the shared pool) or its tail (a sliding cache: what its window still sees of ``live``) is gathered with
-        ``np.take`` straight into place (benchmarks/RESULTS.md, "A cheaper resize" and "Per-layer bookkeeping")."""
+        ``np.take`` straight into place (benchmarks/RESULTS.md, "A cheaper resize" and "The per-layer bookkeeping made
+        cheaper")."""
         n = live.size
         newest = self.n_past - 1
         layers = range(self.n_layer) if layers is None else [int(il) for il in layers]

@@ -203,8 +203,8 @@ def head_focus(attn: np.ndarray, visible: np.ndarray) -> np.ndarray:
 
 def head_median(dist: np.ndarray) -> np.ndarray:
     """The median over the last axis, [L, H, 1]: ``np.median``'s own partition and mean of the middle pair (the same
-    values to the last bit), without its generic machinery, which cost ~4x the partition on a layer's few hundred
-    positions, once per layer and eviction period in the per-layer layouts."""
+    values to the last bit), without its generic machinery: it runs once per layer and eviction period in the
+    per-layer layouts, on a few hundred positions, where that machinery was most of its time."""
     n = dist.shape[2]
     if n % 2:
         return np.partition(dist, n // 2, axis=2)[:, :, n // 2 : n // 2 + 1]
