@@ -77,6 +77,8 @@ def resolve_model(model: str | None, progress: bool = False) -> Path:
     if model == FIXTURE_MODEL:
         return fixture_path()
     path = Path(model).expanduser()
+    if path.is_dir():
+        raise AhakvError(f"{path} is a folder, not a model file (give the .gguf inside it)")
     if not path.is_file():
         raise AhakvError(f"model file not found: {path}")
     with path.open("rb") as f:

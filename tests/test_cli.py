@@ -43,6 +43,7 @@ def test_missing_model_file(tmp_path):
             ahakv(command, str(tmp_path / "nope.gguf"), *(["-p", "x"] if command == "generate" else [])),
             r"error: model file not found: .*nope\.gguf",
         )
+    assert_one_line_error(ahakv("info", str(tmp_path)), r"error: .* is a folder, not a model file")
 
 
 def test_not_a_gguf(tmp_path):
