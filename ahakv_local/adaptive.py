@@ -35,15 +35,10 @@ def fill(obs: Observation) -> float | None:
     without the model's softmax or with fewer than two positions to spread over."""
     if obs.attn is None:
         return None
-    seen = obs.visible[0]
-    n = int(np.count_nonzero(seen))
+    n = int(np.count_nonzero(obs.visible[0]))
     if n < 2:
         return None
-    a = (obs.attn[0] if n == seen.size else obs.attn[0][:, seen]).astype(np.float64)
-    total = a.sum(axis=1, keepdims=True)
-    p = np.divide(a, total, out=np.zeros_like(a), where=total > 0)
-    entropy = -(p * np.log(np.where(p > 0, p, 1.0))).sum(axis=1)
-    return float(np.exp(entropy).mean() / n)
+    return float(np.exp(obs.head_entropy[0]).mean() / n)
 
 
 class LayerShares:

@@ -161,6 +161,8 @@ def test_fill_is_the_effective_share_of_what_a_layer_sees():
     mixed = np.zeros((2, n))
     mixed[0, 10:20], mixed[1, 25:40] = 0.1, 1 / 15
     assert fill(observation(mixed, seen)) == pytest.approx((10 + 15) / 2 / 30)
+    # mass where the layer cannot see (a cell outside its window) is no part of its spread: uniform over the 30 seen
+    assert fill(observation(np.ones((4, n)), seen)) == pytest.approx(1.0)
     assert fill(Observation(np.arange(n), n, 1, n, seen[None, :])) is None  # no softmax tapped
     every = np.ones(n, dtype=bool)  # a layer that sees all it holds (no mask to apply)
     assert fill(observation(np.ones((4, n)), every)) == pytest.approx(1.0)

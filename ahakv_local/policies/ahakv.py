@@ -95,7 +95,7 @@ class AhaKV(Policy):
         n_layer, n_head = obs.attn.shape[:2]
         if not self.holistic_weights:
             return np.ones((n_layer, n_head))
-        focus = head_focus(obs.attn, obs.visible)
+        focus = head_focus(obs)
         if self.weights is None or self.weights.shape != focus.shape:
             self.weights = focus
         else:
@@ -191,14 +191,10 @@ class AhaKV(Policy):
         return np.einsum("lh,lhk->k", w, bound) / w.sum()
 
 
-def head_focus(attn: np.ndarray, visible: np.ndarray) -> np.ndarray:
-    """1 - H(a) / log(n) per layer and head, over the positions each layer sees (``visible`` [L, n]), clipped
-    to [0.05, 1]: [L, H]."""
-    a = (attn if visible.all() else np.where(visible[:, None, :], attn, 0.0)).astype(np.float64)
-    p = a / np.maximum(a.sum(axis=2, keepdims=True), 1e-12)
-    entropy = -(p * np.log(np.where(p > 0, p, 1.0))).sum(axis=2)
-    n_vis = np.maximum(visible.sum(axis=1), 2)[:, None]
-    return np.clip(1.0 - entropy / np.log(n_vis), 0.05, 1.0)
+def head_focus(obs: Observation) -> np.ndarray:
+    """1 - H(a) / log(n) per layer and head, over the positions each layer sees, clipped to [0.05, 1]: [L, H]."""
+    n_vis = np.maximum(obs.visible.sum(axis=1), 2)[:, None]
+    return np.clip(1.0 - obs.head_entropy / np.log(n_vis), 0.05, 1.0)
 
 
 def head_median(dist: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar
 
 import numpy as np
@@ -40,6 +41,16 @@ class Observation:
     @property
     def n(self) -> int:
         return self.positions.size
+
+    @cached_property
+    def head_entropy(self) -> np.ndarray:
+        """float64 [L, H]: the entropy of each head's ``attn`` over the positions its layer sees (the mass of each
+        head normalized to 1). AhaKV's head focus and the adaptive layers' fill both read it from one observation:
+        computed once."""
+        a = self.attn if self.visible.all() else np.where(self.visible[:, None, :], self.attn, 0.0)
+        a = a.astype(np.float64)
+        p = a / np.maximum(a.sum(axis=2, keepdims=True), 1e-12)
+        return -(p * np.log(np.where(p > 0, p, 1.0))).sum(axis=2)
 
 
 def holistic_sum(x: np.ndarray, visible: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
