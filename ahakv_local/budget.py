@@ -31,7 +31,7 @@ class Budget:
     min_ratio: float = 0.10  # auto: never keep less than this fraction of the tokens seen
     max_ratio: float = 0.40  # auto: never keep more
     error_tol: float = 0.05  # auto: evict while the predicted relative output change stays below this
-    cap: int | None = None  # never more than this many cells (a sliding-window group's ratio, see allocate)
+    cap: int | None = None  # ratio, auto: never more than this many cells (a sliding group's; KVController.fitted)
 
     @classmethod
     def parse(cls, text: str | int | float, **kw) -> Budget:
@@ -95,7 +95,9 @@ class Budget:
             return f"{100 * self.value:g}%" + (f" (at most {self.cap} cells)" if self.cap is not None else "")
         if self.mode == "bytes":
             return format_bytes(int(self.value))
-        return "auto" if self.mode == "auto" else "full cache"
+        if self.mode == "auto":
+            return "auto" + (f" (at most {self.cap} cells)" if self.cap is not None else "")
+        return "full cache"
 
 
 BYTE_UNITS = {"GiB": 1024**3, "MiB": 1024**2, "KiB": 1024, "B": 1}  # largest first; "B" ends them all: last
@@ -141,6 +143,9 @@ def cells_for(budget: Budget, chunk: int, longest: int, room: int = 0) -> int:
     whole, or an error model, or no eviction)."""
     if budget.mode == "cells":
         return int(budget.value) + chunk + 1 + room
+    if budget.cap is not None:  # a ratio that never holds more than its cap: as a cell budget of the cap
+        capped = budget.cap + chunk + 1
+        return (min(capped, longest) if longest else capped) + room
     return longest + room
 
 

@@ -146,7 +146,7 @@ class ChatSession:
             error_tol=kv.config.budget.error_tol,
         )
         evicted = kv.set_budget(b)  # checks the floor, the allocated cells and the policy's capability
-        return f"budget: {b} (evicted {evicted} now)"
+        return f"budget: {kv.config.budget} (evicted {evicted} now)"  # a ratio: at most what the cache holds
 
     def _controller(self):
         if self.llm.kv_controller is None:

@@ -468,9 +468,24 @@ class KVController:
                 f"{self.engine.config.n_ubatch}"
             )
 
+    def fitted(self, budget: Budget) -> Budget:
+        """``budget`` as the caches in place can hold it: a ratio of the tokens seen or ``auto`` (which keeps at least
+        ``min_ratio`` of them), set on caches sized for a cell budget (chat's ``/budget 50%``, a server request's
+        ``kv_budget``), is capped at the cells the smallest full-attention cache holds between evictions. Uncapped
+        it grew with the conversation until the cache was full, and every message after that failed."""
+        if budget.mode not in ("ratio", "auto"):
+            return budget
+        e, room = self.engine, self.config.room
+        cells = min(e.n_cells(g.map_layer) for g in self.counted)
+        if cells >= cells_for(replace(budget, cap=None), e.config.n_ubatch, self.config.longest, room):
+            return budget  # caches sized for every position the ratio can keep
+        held = int(holding_of(cells, e.config.n_ubatch, room).value)
+        return replace(budget, cap=held if budget.cap is None else min(budget.cap, held))
+
     def set_budget(self, budget: Budget) -> int:
-        """Check, apply and enforce a new budget now; returns how many positions were evicted (as
-        ``ControllerStats.evicted`` counts them)."""
+        """Check, apply and enforce a new budget now (``fitted`` to the caches); returns how many positions were
+        evicted (as ``ControllerStats.evicted`` counts them)."""
+        budget = self.fitted(budget)
         self.check_budget(budget)
         self.config.budget = budget
         for g, held in zip(self.groups, self.allocation(budget).groups, strict=True):
@@ -482,7 +497,8 @@ class KVController:
     def configure(self, budget: Budget, policy: Policy) -> None:
         """Check ``budget`` with ``policy`` together, then make them the ones in force: the configured budget,
         every group's eviction target (``allocation``) and the policy. Nothing is evicted now; the caller
-        usually starts a new sequence next (``truncate(0)``)."""
+        usually starts a new sequence next (``truncate(0)``). A ratio is ``fitted`` to the caches."""
+        budget = self.fitted(budget)
         self.check_budget(budget, policy)
         self.config.budget = budget
         for g, held in zip(self.groups, self.allocation(budget).groups, strict=True):
@@ -795,10 +811,14 @@ class KVController:
 
     def _auto_count(self, g: LayerGroup, obs: Observation, order: np.ndarray) -> int:
         """Auto budget: evict the most low-scored tokens whose predicted relative output change stays
-        under the tolerance, keeping between min_ratio and max_ratio of the tokens seen."""
+        under the tolerance, keeping between min_ratio and max_ratio of the tokens seen (at most its cap)."""
         b, n = g.budget, g.live.size
-        k_max = min(order.size, max(0, n - math.ceil(b.min_ratio * obs.n_seen)))
-        k_min = min(k_max, max(0, n - math.floor(b.max_ratio * obs.n_seen)))
+        least, most = math.ceil(b.min_ratio * obs.n_seen), math.floor(b.max_ratio * obs.n_seen)
+        if b.cap is not None:  # never more than the caches hold (``fitted``), also at the steps until the next eviction
+            cap = max(1, b.cap - (self.config.evict_every - 1))
+            least, most = min(least, cap), min(most, cap)
+        k_max = min(order.size, max(0, n - least))
+        k_min = min(k_max, max(0, n - most))
         if k_max == 0:
             return 0
         errors = g.policy.predicted_error(obs, order[:k_max])

@@ -190,6 +190,27 @@ def test_a_message_longer_than_the_context_is_taken_back(chat):
     assert chat.messages[-2]["content"] == "a normal message"
 
 
+@pytest.mark.parametrize("budget", ["50%", "auto"])
+@pytest.mark.parametrize("sliding", [False, True], ids=["one cache", "adaptive layers"])
+def test_a_ratio_or_auto_budget_set_in_a_chat_stays_inside_its_cache(budget, sliding):
+    """``/budget 50%`` or ``/budget auto`` in a chat started with 64 cells: both grow with the tokens seen (auto keeps
+    at least 10% of them) and used to outgrow the caches, sized for 64 cells, until every message failed with "the
+    KV cache is full" (50%: at the 4th message; auto: past ~1,300 tokens). They are capped at what the caches hold."""
+    path = fixture_path(FixtureSpec(arch="gemma3", n_layer=6)) if sliding else fixture_path()
+    s = session(path)
+    try:
+        kv = s.llm.kv_controller
+        assert kv.config.layer_budgets == ("adaptive" if sliding else "natural")
+        holds = 64  # the budget the chat was started with: what its caches were sized to hold between evictions
+        assert s.set_budget(budget).startswith(f"budget: {budget} (at most {holds} cells)")
+        full = [g for g in kv.groups if not g.window]
+        while kv.stats.tokens_seen < 1500:
+            talk(s, "please tell me more about the weather " * 25)
+            assert max(g.live.size for g in full) <= holds, s.stats_line()
+    finally:
+        s.llm.close()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_closed_terminal_keeps_the_transcript(tmp_path, sig):
     env = {**os.environ, "HOME": str(tmp_path), "AHAKV_CACHE_DIR": str(tmp_path / "cache")}

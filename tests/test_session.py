@@ -22,6 +22,10 @@ def test_the_cell_rule():
     # a ratio, an error model or no eviction may need every position of the longest sequence
     for budget in (Budget.parse("25%"), Budget.parse("auto"), NO_EVICTION):
         assert cells_for(budget, 64, 3000) == 3000
+    # unless capped (KVController.fitted): then as a cell budget of the cap, and never past the longest sequence
+    for budget in (Budget("ratio", 0.25, cap=128), Budget("auto", cap=128)):
+        assert cells_for(budget, 64, 10_000) == cells_for(budget, 64, 0) == 128 + 64 + 1
+        assert cells_for(budget, 64, 10_000, 32) == 128 + 64 + 1 + 32 and cells_for(budget, 64, 100) == 100
 
 
 def test_budget_meanings():
