@@ -294,8 +294,8 @@ def allocate(
         return Allocation(layer_budgets, (budget,), (base, base if two else 0))
     if budget.mode == "cells":
         held = Budget("cells", min(int(budget.value), window))
-    elif budget.mode == "ratio":
-        held = Budget("ratio", budget.value, cap=window)
+    elif budget.mode == "ratio":  # at most its window, and the budget's own cap (KVController.fitted)
+        held = Budget("ratio", budget.value, cap=window if budget.cap is None else min(budget.cap, window))
     else:  # auto: its window; none: nothing evicted (llama.cpp drops what leaves the window itself)
         held = Budget("cells", window) if budget.evicts else budget
         if budget.evicts and extra < sliding_cells < min(window + extra, longest + room if longest else math.inf):

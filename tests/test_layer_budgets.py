@@ -111,6 +111,9 @@ def test_the_layout_rules_on_gemma3_270m():
     assert allocate(Budget.parse(200), GEMMA3_270M, "natural", chunk, 4096).groups[1] == Budget("cells", 200)
     ratio = allocate(Budget.parse("25%"), GEMMA3_270M, "natural", chunk, 4096, 0, every).groups[1]
     assert ratio.target(4096) == 512 + every - 1 and ratio.target(400) == 100
+    # a ratio capped to caches sized for cells (KVController.fitted): every group at most the cap, caches to match
+    capped = allocate(Budget("ratio", 0.25, cap=96), GEMMA3_270M, "natural", chunk, 4096, 0, every)
+    assert [g.target(4096) for g in capped.groups] == [96, 96] and capped.cache_cells[0] == 96 + extra
     assert allocate(Budget.parse(1024), GEMMA3_270M, "shared", chunk, 4096).cache_cells == (1024 + extra,) * 2
     # a model with one cache: natural is shared
     one = CacheLayout(base_bytes=4096)

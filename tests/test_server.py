@@ -171,6 +171,16 @@ def test_per_request_budget_and_policy(client, server):
         extra_body={"kv_budget": 64, "kv_policy": "h2o"},
     )
     assert out.choices[0].text is not None
+    # a ratio grows with the tokens seen: 50% of this prompt is ~250 cells, capped at the 96 the server's caches hold
+    # (KVController.fitted; before, "the KV cache is full" and a 500)
+    out = client.completions.create(
+        model="local",
+        prompt="one two three four five " * 100,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"kv_budget": "50%"},
+    )
+    assert out.usage.prompt_tokens > 2 * 96 + 64 and out.choices[0].text is not None
     with pytest.raises(BadRequestError, match="does not fit"):
         client.completions.create(model="local", prompt="x", max_tokens=2, extra_body={"kv_budget": 100000})
     with pytest.raises(BadRequestError, match="unknown policy"):
