@@ -70,6 +70,11 @@ class ChatSession:
         a, b = (self._prompt_tokens(system + [{"role": "user", "content": x}]) for x in ("A", "B"))
         n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         kv.config.pinned = (0, n)
+        try:  # never evicted: the budget must hold it beside the sinks and the recent tokens
+            kv.check_floor(kv.config.budget)
+        except AhakvError as exc:
+            kv.config.pinned = None
+            raise AhakvError(f"the system prompt is {n} tokens, kept whole: {exc}") from None
 
     def _prompt_tokens(self, messages: list[dict], generation_prompt: bool = True) -> list[int]:
         """The tokens the chat handler would decode for ``messages`` (the GGUF's own template, or a transcript)."""

@@ -431,24 +431,26 @@ class KVController:
         return phase, watch is None or phase >= every - watch
 
     def check_floor(self, budget: Budget) -> None:
-        """Refuse a budget that leaves a group too few cells for the protected positions and the steps between
-        evictions (a sliding group: for those inside its window)."""
+        """Refuse a budget that leaves a group too few cells for the protected positions (sinks, a pinned span such
+        as chat's system prompt, the recent ones) and the steps between evictions (a sliding group: for those inside
+        its window)."""
         cfg = self.config
         room = "newest" if cfg.evict_every == 1 else "one eviction period"
-        parts = f"{cfg.n_sink} + {cfg.n_recent} + {cfg.evict_every}"
+        pinned = 0 if cfg.pinned is None else max(0, cfg.pinned[1] - max(cfg.pinned[0], cfg.n_sink))  # past the sinks
+        parts = f"{cfg.n_sink} + {f'{pinned} + ' if pinned else ''}{cfg.n_recent} + {cfg.evict_every}"
+        room = f"{'pinned + ' if pinned else ''}recent + {room}"
         layout = self.engine.cache_layout()
         allocation = self.allocation(budget)
         for i, held in enumerate(allocation.groups):
             window = layout.window if allocation.group_slides(i) else 0
-            need = min(cfg.n_sink + cfg.n_recent + 1, window or np.inf) + cfg.evict_every - 1
+            need = min(cfg.n_sink + pinned + cfg.n_recent + 1, window or np.inf) + cfg.evict_every - 1
             if held.mode != "cells" or held.value >= need:
                 continue
             if budget.mode == "cells" and not window:
-                raise AhakvError(f"budget {int(budget.value)} is smaller than sinks + recent + {room} ({parts})")
+                raise AhakvError(f"budget {int(budget.value)} is smaller than sinks + {room} ({parts})")
             where = "sliding-window layers (inside their window)" if window else "full-attention layers"
             raise AhakvError(
-                f"budget {budget} keeps {int(held.value)} cells of the {where}: fewer than sinks + recent + {room} "
-                f"({parts})"
+                f"budget {budget} keeps {int(held.value)} cells of the {where}: fewer than sinks + {room} ({parts})"
             )
 
     def check_budget(self, budget: Budget, policy: Policy | None = None) -> None:
@@ -458,6 +460,14 @@ class KVController:
         policy = policy or self.policy
         if policy.evicts and not budget.evicts:
             raise AhakvError(f"policy {policy.name} evicts: give it a budget (the full cache keeps everything)")
+        e = self.engine
+        full = [e.cache_cells(c) for c in e.caches if not e.cache_sliding(c)] or [e.n_cells()]
+        if not policy.evicts and (cells := min(full)) < self.config.longest:
+            # every later decode would fail with "the KV cache is full" once the sequence passed the cells
+            raise AhakvError(
+                f"policy {policy.name} keeps every token: these caches hold {cells} cells, not the "
+                f"{self.config.longest} positions the context reaches (open it without a budget for the full cache)"
+            )
         self.check_floor(budget)
         if budget.mode == "auto" and not policy.supports_auto_budget:
             raise AhakvError(f"an auto budget needs a policy with an error model (ahakv), not {policy.name}")

@@ -211,6 +211,41 @@ def test_a_ratio_or_auto_budget_set_in_a_chat_stays_inside_its_cache(budget, sli
         s.llm.close()
 
 
+def test_a_budget_that_cannot_hold_what_is_never_evicted_is_refused(fixture_model):
+    """The system prompt is pinned beside the sinks and the recent tokens, none of them ever evicted. A budget that
+    could not hold them and one eviction period was accepted, then exceeded: a 250-token system prompt under
+    --budget 64 kept 222 cells and failed every message with "the KV cache is full"; ``/budget 32`` under a 22-token
+    one held 41. The full cache, which keeps every token, got the same failure on caches sized for a budget. Each is
+    now refused in one line, and the chat goes on."""
+    s = session(fixture_model)
+    try:
+        kv, cfg = s.llm.kv_controller, s.llm.kv_controller.config
+        start, end = cfg.pinned
+        assert start == 0 and end > cfg.n_sink  # "You are terse." rendered: more tokens than the sinks
+        floor = cfg.n_sink + (end - cfg.n_sink) + cfg.n_recent + 1 + cfg.evict_every - 1  # + the period to come
+        with pytest.raises(AhakvError, match=r"smaller than sinks \+ pinned \+ recent \+ one eviction period"):
+            s.set_budget(str(floor - 1))
+        assert s.set_budget(str(floor)).startswith(f"budget: {floor} cells")
+        for _ in range(4):
+            talk(s, "one more thing about the weather, please " * 3)
+            assert 0 < kv.stats.cells_used <= floor
+        with pytest.raises(
+            AhakvError, match=f"policy full keeps every token: these caches hold {kv.allocated_cells()}"
+        ):
+            command(s, "/policy", "full")
+        assert kv.policy.name == "ahakv"
+        talk(s, "still here")
+        assert s.messages[-2]["content"] == "still here"
+    finally:
+        s.llm.close()
+    llm = Llama(str(fixture_model), kv_budget=64, kv_policy="ahakv", kv_recent=8, n_batch=32, verbose=False)
+    try:
+        with pytest.raises(AhakvError, match=r"the system prompt is \d+ tokens, kept whole: budget 64 is smaller"):
+            ChatSession(llm, "rule " * 60, max_tokens=12, temperature=0.0)
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_closed_terminal_keeps_the_transcript(tmp_path, sig):
     env = {**os.environ, "HOME": str(tmp_path), "AHAKV_CACHE_DIR": str(tmp_path / "cache")}

@@ -183,6 +183,8 @@ def test_per_request_budget_and_policy(client, server):
     assert out.usage.prompt_tokens > 2 * 96 + 64 and out.choices[0].text is not None
     with pytest.raises(BadRequestError, match="does not fit"):
         client.completions.create(model="local", prompt="x", max_tokens=2, extra_body={"kv_budget": 100000})
+    with pytest.raises(BadRequestError, match="keeps every token"):  # the full cache, on caches sized for 96 cells
+        client.completions.create(model="local", prompt="x", max_tokens=2, extra_body={"kv_policy": "full"})
     with pytest.raises(BadRequestError, match="unknown policy"):
         client.completions.create(model="local", prompt="x", max_tokens=2, extra_body={"kv_policy": "nope"})
 
