@@ -265,15 +265,31 @@ def load_llama(
         ) from None
 
 
+def sampling_options(temp: float):
+    """The sampling options of chat and generate (``temp``: the command's default temperature)."""
+
+    def add(f):
+        for option in reversed(
+            [
+                click.option("--temp", type=click.FloatRange(min=0), default=temp, show_default=True,
+                             help="Sampling temperature (0 = greedy)."),
+                click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0: off."),
+                click.option("--top-p", type=click.FloatRange(0, 1), default=0.95, show_default=True),
+                click.option("--seed", default=0, show_default=True),
+            ]
+        ):  # fmt: skip
+            f = option(f)
+        return f
+
+    return add
+
+
 @main.command()
 @click.argument("model", required=False, envvar="AHAKV_MODEL")
 @engine_options
 @click.option("-sys", "--system", default="You are a helpful assistant.", show_default=True, help="System prompt.")
 @click.option("-n", "--n-predict", default=512, show_default=True, help="Most tokens per answer.")
-@click.option("--temp", default=0.7, show_default=True)
-@click.option("--top-k", default=40, show_default=True)
-@click.option("--top-p", default=0.95, show_default=True)
-@click.option("--seed", default=0, show_default=True)
+@sampling_options(temp=0.7)
 def chat(model, system, n_predict, temp, top_k, top_p, seed, **engine) -> None:
     """Chat in the terminal; the conversation stays in the (bounded) cache across turns."""
     from .chat import ChatSession, install_sigint_default, run_chat
@@ -292,26 +308,28 @@ def chat(model, system, n_predict, temp, top_k, top_p, seed, **engine) -> None:
 @click.option("-p", "--prompt", default=None, help="Prompt text (else --file, else standard input).")
 @click.option("-f", "--file", "prompt_file", default=None, help="Read the prompt from this file.")
 @click.option("-n", "--n-predict", default=128, show_default=True, help="Tokens to generate.")
-@click.option("--temp", default=0.0, show_default=True, help="Sampling temperature (0 = greedy).")
-@click.option("--top-k", default=40, show_default=True)
-@click.option("--top-p", default=0.95, show_default=True)
-@click.option("--seed", default=0, show_default=True)
+@sampling_options(temp=0.0)
 @click.option("--stats", is_flag=True, help="Print prompt/generation speed and cache figures to stderr.")
 @click.option("--query", default=None, help="The question to read a long prompt with (default: its last paragraph).")
 def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, stats, query, **engine) -> None:
     """Generate a continuation of a prompt."""
     if n_predict < 1:
         raise AhakvError("-n/--n-predict must be at least 1")
+    source = "the prompt"
     if prompt is None:
         if prompt_file:
+            source = prompt_file
             try:
                 prompt = utf8(Path(prompt_file).read_bytes(), prompt_file)
             except OSError as exc:
                 raise AhakvError(f"cannot read {prompt_file}: {exc.strerror}") from None
         elif not sys.stdin.isatty():
-            prompt = utf8(sys.stdin.buffer.read(), "standard input")
+            source = "standard input"
+            prompt = utf8(sys.stdin.buffer.read(), source)
         else:
             raise AhakvError("give a prompt with -p, --file or on standard input")
+    if not prompt.strip():  # llama-cpp-python would continue from nothing but the BOS token
+        raise AhakvError(f"{source} is empty")
     if query is not None and engine["reading"] != "query":
         raise AhakvError(f"--query guides a reading; it cannot be combined with --reading {engine['reading']}")
     llm = load_llama(model, **engine)

@@ -267,11 +267,21 @@ def test_bad_option_values_are_one_line(fixture_model):
         (["serve", "", "--port", "99999"], r"error: Invalid value for '--port': 99999 is not in the range 1<=x", 2),
         (["eval", "needle", "--trials", "0"], r"error: Invalid value for '--trials': 0 is not in the range x>=1", 2),
         (["eval", "ppl", "--prefix", "-1"], r"error: Invalid value for '--prefix': -1 is not in the range x>=1", 2),
+        (
+            ["generate", "", "-p", "x", "--temp", "-1"],
+            r"error: Invalid value for '--temp': -1.0 is not in the range",
+            2,
+        ),
+        (["chat", "", "--top-p", "2"], r"error: Invalid value for '--top-p': 2.0 is not in the range 0<=x<=1", 2),
+        (["chat", "", "--top-k", "-5"], r"error: Invalid value for '--top-k': -5 is not in the range x>=0", 2),
+        (["generate", "", "-f", "/dev/null"], r"error: /dev/null is empty", 1),
+        (["generate", "", "-p", " \n"], r"error: the prompt is empty", 1),
     ],
 )
-def test_bench_and_serve_refuse_bad_values_in_one_line(fixture_model, args, pattern, code):
+def test_commands_refuse_bad_values_in_one_line(fixture_model, args, pattern, code):
     """Each of these was a traceback (a median of no rounds, a division by no decoded token, int('2K'), a port
-    the socket refuses), or ran the whole benchmark before failing."""
+    the socket refuses), ran the whole benchmark before failing, or ran on silently (a negative temperature or a
+    top-p above 1 sampled as something else; an empty prompt continued from the BOS token alone)."""
     command = [word for word in args[:2] if word]  # the command's words, then the model, then its options
     assert_one_line_error(ahakv(*command, str(fixture_model), *args[2:]), pattern, code=code)
 
