@@ -276,6 +276,9 @@ class Llama(llama_cpp.Llama):
     def set_kv_query(self, query: bool | str | None, prompt: str | Sequence[int] | None = None) -> None:
         """Set what the next prompt is read with: a question's text, True (the last paragraph of ``prompt``),
         "reconstruct" or "surprisal" (question-agnostic), or False / None (plainly)."""
+        if query is not None and not isinstance(query, bool | str):
+            what = "a question's text, True, False, 'reconstruct' or 'surprisal'"
+            raise AhakvError(f"kv_query must be {what}, not {query!r}")
         if self._kv is None or not query:
             self._kv_guide = None
             return

@@ -233,6 +233,8 @@ def test_the_drop_in_reads_a_long_prompt_with_its_question(fixture_model, licens
         llm.create_completion(f"{other}\n\nThe version is", max_tokens=2, temperature=0, kv_query="surprisal")
         assert seen == [] and ctl.groups[0].best[ctl.live].max() > 0  # scored by surprisal, no question decoded
         assert np.array_equal(llm.kv_engine.live_positions(), ctl.live)
+        with pytest.raises(AhakvError, match="kv_query must be a question's text, True, False"):  # was AttributeError
+            llm.create_completion("The version is", max_tokens=2, kv_query=123)
     with pytest.raises(AhakvError, match="kv_query"):
         Llama(str(fixture_model), kv_budget=128, kv_query="maybe", verbose=False)
 
