@@ -507,7 +507,7 @@ class KVController:
     def configure(self, budget: Budget, policy: Policy) -> None:
         """Check ``budget`` with ``policy`` together, then make them the ones in force: the configured budget,
         every group's eviction target (``allocation``) and the policy. Nothing is evicted now; the caller
-        usually starts a new sequence next (``truncate(0)``). A ratio is ``fitted`` to the caches."""
+        usually starts a new sequence next (``truncate(0)``). A ratio or auto budget is ``fitted`` to the caches."""
         budget = self.fitted(budget)
         self.check_budget(budget, policy)
         self.config.budget = budget
