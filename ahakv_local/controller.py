@@ -435,10 +435,10 @@ class KVController:
         as chat's system prompt, the recent ones) and the steps between evictions (a sliding group: for those inside
         its window)."""
         cfg = self.config
-        room = "newest" if cfg.evict_every == 1 else "one eviction period"
         pinned = 0 if cfg.pinned is None else max(0, cfg.pinned[1] - max(cfg.pinned[0], cfg.n_sink))  # past the sinks
+        period = "newest" if cfg.evict_every == 1 else "one eviction period"
+        protected = f"sinks + {'pinned + ' if pinned else ''}recent + {period}"
         parts = f"{cfg.n_sink} + {f'{pinned} + ' if pinned else ''}{cfg.n_recent} + {cfg.evict_every}"
-        room = f"{'pinned + ' if pinned else ''}recent + {room}"
         layout = self.engine.cache_layout()
         allocation = self.allocation(budget)
         for i, held in enumerate(allocation.groups):
@@ -447,10 +447,10 @@ class KVController:
             if held.mode != "cells" or held.value >= need:
                 continue
             if budget.mode == "cells" and not window:
-                raise AhakvError(f"budget {int(budget.value)} is smaller than sinks + {room} ({parts})")
+                raise AhakvError(f"budget {int(budget.value)} is smaller than {protected} ({parts})")
             where = "sliding-window layers (inside their window)" if window else "full-attention layers"
             raise AhakvError(
-                f"budget {budget} keeps {int(held.value)} cells of the {where}: fewer than sinks + {room} ({parts})"
+                f"budget {budget} keeps {int(held.value)} cells of the {where}: fewer than {protected} ({parts})"
             )
 
     def check_budget(self, budget: Budget, policy: Policy | None = None) -> None:
@@ -460,9 +460,7 @@ class KVController:
         policy = policy or self.policy
         if policy.evicts and not budget.evicts:
             raise AhakvError(f"policy {policy.name} evicts: give it a budget (the full cache keeps everything)")
-        e = self.engine
-        full = [e.cache_cells(c) for c in e.caches if not e.cache_sliding(c)] or [e.n_cells()]
-        if not policy.evicts and (cells := min(full)) < self.config.longest:
+        if not policy.evicts and (cells := self._full_cache_cells()) < self.config.longest:
             # every later decode would fail with "the KV cache is full" once the sequence passed the cells
             raise AhakvError(
                 f"policy {policy.name} keeps every token: these caches hold {cells} cells, not the "
@@ -478,6 +476,12 @@ class KVController:
                 f"{self.engine.config.n_ubatch}"
             )
 
+    def _full_cache_cells(self) -> int:
+        """The cells of the smallest cache a full-attention layer reads (what a budget in cells is held in), from the
+        engine alone: ``check_budget`` runs before the groups exist."""
+        e = self.engine
+        return min([e.cache_cells(c) for c in e.caches if not e.cache_sliding(c)] or [e.n_cells()])
+
     def fitted(self, budget: Budget) -> Budget:
         """``budget`` as the caches in place can hold it: a ratio of the tokens seen or ``auto`` (which keeps at least
         ``min_ratio`` of them), set on caches sized for a cell budget (chat's ``/budget 50%``, a server request's
@@ -486,7 +490,7 @@ class KVController:
         if budget.mode not in ("ratio", "auto"):
             return budget
         e, room = self.engine, self.config.room
-        cells = min(e.n_cells(g.map_layer) for g in self.counted)
+        cells = self._full_cache_cells()
         if cells >= cells_for(replace(budget, cap=None), e.config.n_ubatch, self.config.longest, room):
             return budget  # caches sized for every position the ratio can keep
         held = int(holding_of(cells, e.config.n_ubatch, room).value)
