@@ -14,7 +14,9 @@ a free slot and decodes one token for every running request per llama_decode; ``
 reports every sequence. The generation stops at the next token when the client
 leaves, streamed or not, and when the server is told to stop. ``max_tokens`` 0, null or above
 ``max_tokens_limit`` (``--max-tokens-limit``) generates at most that limit. Every error is an
-OpenAI-shaped JSON body: 400 for a bad request, 503 when busy, 500 only for a bug.
+OpenAI-shaped JSON body: 400 for a bad request, 503 when busy, 500 only for a bug. An OpenAI field that asks for
+something this server does not do (``NOT_SUPPORTED``: several choices, log probabilities, tools, a JSON format...) is
+a 400 naming it, not ignored: the client would take the answer for what it asked.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
 from .budget import Budget
@@ -47,9 +50,28 @@ log = logging.getLogger("ahakv_local.server")
 GRACE_S = 3  # after a stop signal, how long open responses get to finish (a prompt being read cannot be cut)
 
 
+# OpenAI fields that ask for what this server does not do: field -> (whether a value asks for nothing, what the
+# server does instead). A request asking for one is refused; one that sends the field switched off (n 1, logprobs
+# null, tool_choice "none", response_format text, as some clients always do) is served.
+NOT_SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v is None or v == 1, "one choice per request"),
+    "best_of": (lambda v: v is None or v == 1, "one choice per request"),
+    "echo": (lambda v: v is None or v is False, "the answer without the prompt"),
+    "logprobs": (lambda v: v is None or v is False, "no log probabilities"),
+    "top_logprobs": (lambda v: v is None or v == 0, "no log probabilities"),
+    "logit_bias": (lambda v: not v, "no biased logits"),
+    "suffix": (lambda v: not v, "no insertion"),
+    "tools": (lambda v: not v, "no tool calls"),
+    "functions": (lambda v: not v, "no function calls"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "no tool calls"),
+    "function_call": (lambda v: v in (None, "none", "auto"), "no function calls"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, "plain text, not a JSON format"),
+}
+
+
 class KVFields(BaseModel):
-    # clients send OpenAI fields this server does not use (n, user, logprobs, ...): accepted and ignored;
-    # NaN and infinities (Python's JSON reader takes them) are refused
+    # other OpenAI fields (user, metadata, stream_options, ...) change nothing in the answer: accepted and
+    # ignored; NaN and infinities (Python's JSON reader takes them) are refused
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str | None = None
     stream: bool = False
@@ -67,9 +89,30 @@ class KVFields(BaseModel):
     # null: the server's default
     kv_query: bool | str | None = None
 
+    @model_validator(mode="after")
+    def _refuse_what_is_not_done(self):
+        for name, value in (self.model_extra or {}).items():
+            if name in NOT_SUPPORTED and not NOT_SUPPORTED[name][0](value):
+                shown = json.dumps(value)
+                asked = f"{name}={shown}" if len(shown) <= 40 else name  # (tools: a long schema)
+                raise ValueError(f"{asked} is not supported: this server gives {NOT_SUPPORTED[name][1]}")
+        return self
+
 
 class CompletionRequest(KVFields):
-    prompt: str | list[str] = ""
+    prompt: str = ""
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_text(cls, value):
+        """OpenAI also takes a list of prompts (one choice each) and token ids: one text here, a list of one as it."""
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+            return value[0]
+        if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+            raise ValueError("token ids are not supported: send the prompt as text")
+        if isinstance(value, list) and len(value) > 1:
+            raise ValueError(f"{len(value)} prompts in one request are not supported: send one request per prompt")
+        return value
 
 
 class TextPart(BaseModel):
@@ -511,7 +554,8 @@ def create_app(
             if e["type"] == "json_invalid":
                 return f"the body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})"
             where = ".".join(str(p) for p in e["loc"] if p != "body")
-            return f"{where}: {e['msg']}" if where else e["msg"]
+            msg = e["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's own message
+            return f"{where}: {msg}" if where else msg
 
         errors = exc.errors()
         more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
@@ -536,8 +580,7 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        prompt = req.prompt if isinstance(req.prompt, str) else "".join(req.prompt)
-        return await runner.submit(request, req, "completion", prompt)
+        return await runner.submit(request, req, "completion", req.prompt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):

@@ -281,6 +281,58 @@ def test_bad_requests_are_openai_errors(server):
     assert status == 400 and answer["error"]["message"].startswith("messages.0.content")
 
 
+# -- OpenAI fields asking for what the server does not do were accepted and ignored: n=2 got one choice, logprobs
+# null, a JSON response_format plain text, and two prompts one answer to both joined together
+
+CHAT = "/v1/chat/completions"
+NOT_DONE = [  # (route, field, a value asking for it, words of the refusal)
+    ("/v1/completions", "n", 2, "n=2 is not supported: this server gives one choice per request"),
+    ("/v1/completions", "best_of", 3, "best_of=3"),
+    ("/v1/completions", "logprobs", 0, "logprobs=0"),  # 0: the sampled tokens' log probabilities
+    ("/v1/completions", "echo", True, "echo=true"),
+    ("/v1/completions", "logit_bias", {"13": -100}, "logit_bias"),
+    ("/v1/completions", "suffix", " end", "suffix"),
+    (CHAT, "logprobs", True, "logprobs=true"),
+    (CHAT, "top_logprobs", 2, "top_logprobs=2"),
+    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "tools is"),
+    (CHAT, "tool_choice", "required", "tool_choice"),
+    (CHAT, "response_format", {"type": "json_object"}, "not a JSON format"),
+    ("/v1/completions", "prompt", ["one", "two"], "2 prompts in one request are not supported"),
+    ("/v1/completions", "prompt", [1, 2, 3], "token ids are not supported"),
+]
+SWITCHED_OFF = [  # the same fields asking for nothing, as some clients always send them: served
+    ("/v1/completions", {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "logit_bias": {}, "suffix": None}),
+    (CHAT, {"n": 1, "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none"}),
+    (CHAT, {"response_format": {"type": "text"}, "user": "u1", "stream_options": None}),
+]
+
+
+def body_for(route: str, **fields) -> dict:
+    base = {"messages": [{"role": "user", "content": "Hi"}]} if route == CHAT else {"prompt": "Hi"}
+    return {**base, "max_tokens": 1, "temperature": 0, **fields}
+
+
+@pytest.mark.parametrize(("route", "field", "value", "words"), NOT_DONE, ids=[f"{r[1]}-{r[3][:24]}" for r in NOT_DONE])
+def test_what_the_server_does_not_do_is_refused_by_name(server, route, field, value, words):
+    status, answer = call(server, route, body_for(route, **{field: value}))
+    assert status == 400 and words in answer["error"]["message"], answer
+    assert answer["error"]["message"].startswith(field)  # one line that names the field first
+
+
+@pytest.mark.parametrize(("route", "fields"), SWITCHED_OFF)
+def test_those_fields_switched_off_are_served(server, route, fields):
+    status, answer = call(server, route, body_for(route, **fields))
+    assert status == 200 and len(answer["choices"]) == 1 and answer["usage"]["completion_tokens"] == 1, answer
+
+
+def test_a_list_of_one_prompt_is_that_prompt(server):
+    """The same greedy answer as the prompt sent as text (a list of several is refused above)."""
+    one = call(server, "/v1/completions", body_for("/v1/completions", prompt=["one two three four"], max_tokens=4))
+    text = call(server, "/v1/completions", body_for("/v1/completions", prompt="one two three four", max_tokens=4))
+    assert one[0] == text[0] == 200
+    assert one[1]["choices"][0]["text"] == text[1]["choices"][0]["text"] and one[1]["usage"] == text[1]["usage"]
+
+
 def test_health_says_busy_while_a_request_runs(patient_server):
     server = patient_server  # its generation outlasts /health's 1 s wait for the model on any machine
     sock = open_request(server, "/v1/completions", {"prompt": REPEAT, "max_tokens": 0, "stream": True})

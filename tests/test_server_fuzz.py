@@ -102,7 +102,7 @@ FIELDS = {
         st.sampled_from([39, 97, 10**6, 0, -3, 1.5, 1.0, "0%", "100%", "inf", "-inf", "nan", "1e309", "", True]),
     ),
     "kv_policy": (st.sampled_from(POLICIES), giant | st.sampled_from(["nope", "", "AHAKV", " ahakv", "full\x00"])),
-    "n": (st.integers(1, 3), junk),  # OpenAI fields the server ignores
+    "n": (st.sampled_from([1, None]), st.integers(2, 3) | junk),  # one choice only: n > 1 is a 400
     "user": (text, odd_text | giant),
 }
 long_text = st.just("The licenses for most software are designed to take away your freedom. " * 10)  # 140 tokens
@@ -119,7 +119,12 @@ bad_message = st.one_of(
     st.fixed_dictionaries({"role": st.just("user"), "content": odd_text}),
     st.fixed_dictionaries({"role": st.just("user")}, optional={"content": st.one_of(junk, st.just([{"type": "x"}]))}),
 )
-PROMPT = {"prompt": (st.one_of(text, st.lists(text, max_size=3), long_text), odd_text | st.sampled_from([[1], None]))}
+PROMPT = {
+    "prompt": (
+        st.one_of(text, st.lists(text, min_size=1, max_size=1), long_text),
+        odd_text | st.sampled_from([[1], None, [], ["a", "b"]]),  # token ids, several prompts: a 400
+    )
+}
 MESSAGES = {
     "messages": (
         st.lists(message, min_size=1, max_size=3),
