@@ -56,7 +56,9 @@ class Budget:
         try:
             v = float(s[:-1] if percent else s)
         except ValueError:
-            raise AhakvError(f"budget must be a cell count, a ratio (0.25 or 25%) or 'auto', not {text!r}") from None
+            raise AhakvError(
+                f"budget must be a cell count, bytes (16MiB), a ratio (0.25 or 25%) or 'auto', not {text!r}"
+            ) from None
         if percent:
             v /= 100
             if not 0 < v < 1:

@@ -365,7 +365,14 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
 
 @main.command()
 @click.argument("model", required=False, envvar="AHAKV_MODEL")
-@click.option("-b", "--budget", default=512, show_default=True, help="Budget to compare with the full cache.")
+@click.option(
+    "-b",
+    "--budget",
+    default="512",
+    show_default=True,
+    help="Budget to compare with the full cache: cells of a full-attention layer (512), KV bytes over all layers "
+    "(8MiB), a ratio of the tokens seen (25%) or auto, as generate takes it.",
+)
 @click.option("-c", "--ctx-size", type=int, default=None, help="Context length to compare at (default: trained).")
 @click.option(
     "-ub",
@@ -381,27 +388,47 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
     default=None,
     help="The layout whose allocation at --budget to state [default: generate's for the model].",
 )
-def info(model, budget, ctx_size, ubatch_size, layer_budgets) -> None:
+@click.option(
+    "--kv-type",
+    type=click.Choice((KV_TYPE_AUTO, *KV_CACHE_TYPES)),
+    default=KV_TYPE_AUTO,
+    show_default=True,
+    envvar="AHAKV_KV_TYPE",
+    help="The K and V type of the budget's caches, as generate takes it (auto: f16, or a smaller type for a byte "
+    "budget below llama.cpp's trimmed cache).",
+)
+def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type) -> None:
     """Architecture, heads, sliding window, trained context and KV bytes of MODEL, per KV cache for
     swa_full on (llama-cpp-python's default) and off (llama.cpp's own tools: the sliding cache trimmed)."""
+    from .budget import Budget, default_layer_budgets
     from .info import BudgetAllocation, describe, read_info
     from .models import resolve_model
-
-    if budget < 1:
-        raise AhakvError("--budget must be at least 1 cell")
-    if ctx_size is not None and ctx_size < 1:
-        raise AhakvError("--ctx-size must be at least 1")
-    model_info = read_info(resolve_model(model, progress=True))
-    # what generate and serve allocate for that budget: their chunks, a question's room
-    from .budget import default_layer_budgets
     from .session import SessionSpec
 
+    budget = Budget.parse(budget)  # one line for a malformed budget, before the model is read
+    if budget.mode == "none":
+        raise AhakvError("--budget must be a budget (cells, bytes, a ratio or auto)")
+    if ctx_size is not None and ctx_size < 1:
+        raise AhakvError("--ctx-size must be at least 1")
+    path = resolve_model(model, progress=True)
+    model_info = read_info(path)
+    if ctx_size is not None and ctx_size > model_info.n_ctx_train:
+        raise AhakvError(f"--ctx-size {ctx_size} is past the model's trained context ({model_info.n_ctx_train:,})")
+    # what generate and serve allocate for that budget: their chunks, a question's room, their K/V type
     layer_budgets = layer_budgets or default_layer_budgets(
         model_info.n_layer_swa, model_info.n_layer, offloads_by_default()
     )
-    spec = SessionSpec.bounded("ahakv", budget, layer_budgets=layer_budgets, reading="query")
-    allocation = spec.allocation(model_info.cache_layout(), BUDGETED_BATCH, ctx_size or model_info.n_ctx_train)
-    at = BudgetAllocation(budget, layer_budgets, allocation.layer_cells(model_info.layer_sliding), BUDGETED_BATCH)
+    context = ctx_size or model_info.n_ctx_train
+    # laid out as the drop-in lays it out for generate -c CONTEXT (Llama.__init__): the K/V type decided for that
+    # many positions; a cell or byte budget for positions up to the trained context, a ratio or auto in -c cells
+    longest = model_info.n_ctx_train if budget.mode in ("cells", "bytes") else context
+    spec = SessionSpec.bounded("ahakv", budget, layer_budgets=layer_budgets, reading="query", kv_type=kv_type)
+    spec = spec.on_model(path, BUDGETED_BATCH, context)
+    if layer_budgets == "shared" and budget.mode in ("ratio", "auto"):  # llama-cpp-python's own cache of -c cells
+        cells = (model_info.caches(context, swa_full=True)[0].cells,) * model_info.n_layer
+    else:
+        cells = spec.allocation_on(path, BUDGETED_BATCH, longest).layer_cells(model_info.layer_sliding)
+    at = BudgetAllocation(budget, layer_budgets, cells, BUDGETED_BATCH, spec.kv_type)
     click.echo(describe(model_info, ctx_size, ubatch_size, at))
 
 

@@ -8,7 +8,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
-from .budget import CacheLayout
+from .budget import Budget, CacheLayout
 from .errors import AhakvError
 from .gguf_header import Value, read_header
 
@@ -247,10 +247,11 @@ class BudgetAllocation:
     """What generate and serve allocate for a budget (``SessionSpec.allocation``, computed by the caller so that
     ``info`` reads no session code): the cells of the cache each layer reads, by layer."""
 
-    budget: int
+    budget: Budget
     layer_budgets: str
     layer_cells: tuple[int, ...]
     chunk: int  # the prompt chunk the allocation holds on top of the budget
+    kv_type: str = "f16"  # of K and V in its caches
 
 
 def _cells(counts: set[int]) -> str:
@@ -307,7 +308,7 @@ def describe(info: ModelInfo, context: int | None, n_ubatch: int = 512, at: Budg
         )
         baselines.append(("the full cache", cache.bytes))
     if at is not None:
-        allocated = sum(at.layer_cells) * info.cell_bytes(1)  # every layer's K and V rows are alike
+        allocated = sum(at.layer_cells) * info.cell_bytes(1, at.kv_type, at.kv_type)  # every layer's rows are alike
         sliding = info.layer_sliding or (False,) * info.n_layer
         parts = " + ".join(
             f"{name} {_cells({c for c, s in zip(at.layer_cells, sliding, strict=True) if s == kind})} cells"
@@ -315,13 +316,16 @@ def describe(info: ModelInfo, context: int | None, n_ubatch: int = 512, at: Budg
             if kind in sliding
         )
         how = "each kind's cells re-split over its layers every 256 positions, in these bytes"
+        b = at.budget
+        named = f"{int(b.value):,} cells" if b.mode == "cells" else str(b)
+        typed = "" if at.kv_type == "f16" else f", K and V in {at.kv_type}"
         lines.append(
-            f"KV at budget   {at.budget:,} cells, {at.layer_budgets} layer budgets: {mib(allocated)} = {parts} "
-            f"(as generate and serve allocate it: a prompt chunk of {at.chunk} and a question's room on top"
-            + (f"; {how})" if at.layer_budgets == "adaptive" else ")")
+            f"KV at budget   {named}, {at.layer_budgets} layer budgets{typed}: {mib(allocated)} = {parts} "
+            f"(as generate{'' if b.mode == 'cells' else f' -c {context}'} and serve allocate it: a prompt chunk of "
+            f"{at.chunk} and a question's room on top" + (f"; {how})" if at.layer_budgets == "adaptive" else ")")
         )
-        if at.budget >= context:
-            whole = f"{at.budget:,} cells hold all {context:,} positions"
+        if b.mode == "cells" and b.value >= context:
+            whole = f"{int(b.value):,} cells hold all {context:,} positions"
             lines.append(f"budget saves   nothing: {whole} (run without one)")
         else:
             lines.append("budget saves   " + ", ".join(saving(total, allocated, who) for who, total in baselines))

@@ -209,6 +209,40 @@ def test_info_states_what_generate_allocates(gemma_model):
     assert pyramid and done and pyramid.group(1) == done.group(1), proc.stderr
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--budget", "8MiB", "-c", "4096"],  # bytes below llama.cpp's trimmed cache at 4K: q8_0 (kv_type auto)
+        ["--budget", "3MiB", "-c", "32768"],  # below a fifth of it at 32K: q5_0
+        ["--budget", "25%", "-c", "2048"],  # a ratio holds a share of the tokens seen: laid out in -c cells
+        ["--budget", "auto", "-c", "3000", "--layer-budgets", "shared"],  # llama-cpp-python's own cache of -c cells
+    ],
+)
+def test_info_states_what_generate_allocates_for_bytes_ratios_and_auto(gemma_model, args):
+    """info took a budget in cells only (8MiB and 25% were click errors, though generate takes both); now every form
+    generate takes, stated as generate's engine allocates it at the same -c: cells, MiB and K/V type."""
+    said = re.search(
+        r"KV at budget   .* layer budgets(?:, K and V in (\w+))?: ([\d.]+) MiB = full ([\d,]+)",
+        ahakv("info", str(gemma_model), *args).stdout,
+    )
+    proc = ahakv("generate", str(gemma_model), "-p", "Hello", "-n", "1", "--stats", *args)
+    done = re.search(r"\((\d+) allocated, ([\d.]+) MiB KV, (\w+), \w+\)", proc.stderr + proc.stdout)
+    assert said and done, proc.stderr
+    assert (said.group(1) or "f16", said.group(2), said.group(3).replace(",", "")) == (
+        done.group(3),
+        done.group(2),
+        done.group(1),
+    )
+
+
+def test_info_refuses_what_generate_refuses(gemma_model):
+    assert_one_line_error(ahakv("info", str(gemma_model), "--budget", "lots"), r"error: budget must be a cell count")
+    assert_one_line_error(
+        ahakv("info", str(gemma_model), "-c", "999999"),
+        r"error: --ctx-size 999999 is past the model's trained context \(32,768\)",
+    )
+
+
 def test_environment_variables_mirror_options(fixture_model):
     env = {**os.environ, "AHAKV_BUDGET": "20"}
     assert_one_line_error(ahakv("generate", str(fixture_model), "-p", "x", env=env), r"error: budget 20 is smaller")
