@@ -207,11 +207,19 @@ def eval_group() -> None:
     show_default=True,
     help="K and V type of the budgeted runs (a quantized one: flash attention on); the full cache stays f16.",
 )
+@click.option(
+    "--layer-budgets",
+    default="shared",
+    show_default=True,
+    help="Comma-separated layouts each policy runs in (shared, natural, uniform, pyramid, adaptive: the product's "
+    'default on Gemma 3); a configuration is "<policy> <layout>@<budget>" outside the shared pool.',
+)
 @click.option("--out", "out_dir", default="eval-out", show_default=True, help="Folder for the outputs.")
 @rpc_option
+@threads_option
 def eval_ppl(
     model, text_file, tokens, prefix, budgets, policies, ablations, ablations_at, step, evict_every, observe_steps,
-    sinks, recent, kv_type, out_dir, rpc,
+    sinks, recent, kv_type, layer_budgets, out_dir, rpc, threads,
 ) -> None:  # fmt: skip
     """Streaming perplexity, KL from the full cache and top-1 agreement per policy and budget; for a model with a
     sliding-window cache also llama.cpp's own baseline, every position kept in a trimmed sliding cache."""
@@ -228,10 +236,14 @@ def eval_ppl(
         raise AhakvError(f"{text_file} has only {len(ids)} tokens; need more than --prefix {prefix}")
     if not 1 <= step <= 64:
         raise AhakvError("--step must be between 1 and 64 (one prompt chunk)")
-    from .budget import parse_schedule
+    from .budget import check_layer_kinds, parse_schedule
     from .session import SessionSpec
 
     names = _policies(policies)
+    layouts = _layer_budgets(layer_budgets)
+    info = read_info(path)
+    for layout in layouts:  # before the full cache's run, not after it
+        check_layer_kinds(layout, info.n_layer_swa, info.n_layer)
     evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
     schedule = dict(
         n_sink=sinks, n_recent=recent, evict_every=evict_every, observe_steps=observe_steps, kv_type=kv_type
@@ -239,12 +251,20 @@ def eval_ppl(
     floor = sinks + recent + 1
     cells = _cells(budgets, len(ids), floor)
     ablated = cells if ablations else _cells(ablations_at, len(ids), floor) if ablations_at else []
-    # named specs: llama.cpp's trimmed full cache, every policy at every budget, then AhaKV without each component
-    configs = [TRIMMED] if read_info(path).n_layer_swa else []
+    # named specs: llama.cpp's trimmed full cache, every policy at every budget in every layout, then AhaKV without
+    # each component
+    configs = [TRIMMED] if info.n_layer_swa else []
     for c in dict.fromkeys(cells + ablated):
         runs = [(p, p, {}) for p in names] if c in cells else []
         runs += [(k, "ahakv", v) for k, v in ABLATIONS.items()] if c in ablated else []
-        configs += [SessionSpec.bounded(p, c, label=f"{label}@{c}", params=kw, **schedule) for label, p, kw in runs]
+        configs += [
+            SessionSpec.bounded(
+                p, c, label=f"{label}{'' if lay == 'shared' else ' ' + lay}@{c}", params=kw, layer_budgets=lay,
+                **schedule,
+            )
+            for label, p, kw in runs
+            for lay in layouts
+        ]  # fmt: skip
     with _bar("eval ppl", len(ids) * (len(configs) + 1)) as bar:  # the full cache, then each alone
         results = evaluate(
             path,
@@ -254,6 +274,7 @@ def eval_ppl(
             step=step,
             progress=lambda done, total: bar.update(done - bar.n),
             rpc_servers=rpc_servers,
+            n_threads=threads,
         )
     for line in write_ppl_report(out, results, path, text_file, len(ids), step):
         click.echo(line)
@@ -272,8 +293,9 @@ def eval_ppl(
 @click.option("--recent", default=32, show_default=True)
 @click.option("--out", "out_dir", default="needle-out", show_default=True, help="Folder for the outputs.")
 @rpc_option
+@threads_option
 def eval_needle(
-    model, filler_file, lengths, depths, budgets, policies, trials, seed, sinks, recent, out_dir, rpc
+    model, filler_file, lengths, depths, budgets, policies, trials, seed, sinks, recent, out_dir, rpc, threads
 ) -> None:
     """Passkey retrieval: a number hidden in filler text at several lengths and depths, per policy."""
     from .needle import run_needle
@@ -305,6 +327,7 @@ def eval_needle(
                 seed=seed,
                 progress=lambda done, total: bar.update(done - bar.n),
                 rpc_servers=rpc_servers,
+                n_threads=threads,
             )
         except ValueError as exc:
             raise AhakvError(str(exc)) from None

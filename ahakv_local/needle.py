@@ -73,16 +73,18 @@ def run_needle(
     answer_tokens: int = 8,
     progress: Callable[[int, int], None] = lambda done, total: None,
     rpc_servers: tuple[str, ...] = (),
+    n_threads: int | None = None,
 ) -> list[NeedleTrial]:
     """Every spec on every length x depth x trial (the full cache is ``SessionSpec()``); ``rpc_servers``:
-    llama.cpp RPC workers that hold the layers."""
+    llama.cpp RPC workers that hold the layers; ``n_threads``: the engine's CPU threads (None: AHAKV_THREADS, else
+    every core)."""
     rng = random.Random(seed)
     keys = {(n, d, t): str(rng.randrange(10_000, 100_000)) for n in lengths for d in depths for t in range(trials)}
     longest = max(lengths) + answer_tokens
     results: list[NeedleTrial] = []
     total, done = len(specs) * len(keys), 0
     for spec in specs:
-        with open_session(model, spec, longest, n_ubatch, rpc_servers=rpc_servers) as session:
+        with open_session(model, spec, longest, n_ubatch, rpc_servers=rpc_servers, n_threads=n_threads) as session:
             engine, ctl = session.engine, session.controller
             filler = engine.tokenize(filler_text, add_bos=False)
             for (length, depth, _), key in keys.items():

@@ -87,6 +87,36 @@ def test_eval_ppl_adds_the_trimmed_row_for_a_sliding_window_model(tmp_path):
     assert run("llama") == ["full", "h2o@64"]  # one cache: nothing to trim
 
 
+def test_eval_ppl_runs_each_policy_in_each_layout_it_is_given(gemma_model, tmp_path):
+    """``eval ppl --layer-budgets shared,natural,adaptive -t 1``: a row per policy and layout, each the number that
+    ``evaluate`` gives for that spec in that layout (a second path, in-process, at the same one thread: the same
+    bits), and the three layouts apart (Gemma 3 270M: 15 sliding layers and 3 full ones, so adaptive's shares move
+    where natural's cannot). eval ppl measured the shared pool only, not the product's layout."""
+    from ahakv_local.session import SessionSpec
+
+    out = tmp_path / "eval"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ahakv_local", "eval", "ppl", str(gemma_model), "--tokens", "384", "--prefix", "64",
+         "--budgets", "96", "--policies", "h2o", "--step", "16", "--layer-budgets", "shared,natural,adaptive",
+         "-t", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["label"]: r for r in json.loads((out / "results.json").read_text())["results"]}
+    assert list(rows) == ["full", "trimmed", "h2o@96", "h2o natural@96", "h2o adaptive@96"]
+    with Engine(gemma_model, EngineConfig(n_ctx=1024)) as e:
+        tokens = e.tokenize(open("/usr/share/common-licenses/GPL-3").read())[:384]
+    layouts = ("natural", "adaptive")
+    specs = [SessionSpec.bounded("h2o", 96, label=f"h2o {lay}", layer_budgets=lay) for lay in layouts]
+    direct = evaluate(gemma_model, tokens, specs, prefix=64, step=16, n_threads=1)
+    for lay in layouts:
+        assert (rows[f"h2o {lay}@96"]["ppl"], rows[f"h2o {lay}@96"]["kl"]) == (
+            direct[f"h2o {lay}"].ppl,
+            direct[f"h2o {lay}"].kl,
+        )
+    assert len({rows[label]["kl"] for label in ("h2o@96", "h2o natural@96", "h2o adaptive@96")}) == 3
+
+
 def test_bench_speed_rows_and_memory_context(tmp_path):
     model = fixture_path(SLIDING_FIXTURE)
     out = tmp_path / "bench"
