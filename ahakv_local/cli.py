@@ -80,6 +80,17 @@ def model_path(model: str | None) -> None:
     click.echo(resolve_model(model, progress=True))
 
 
+kv_type_option = click.option(  # the commands that load a model, and info, which states what they would allocate
+    "--kv-type",
+    type=click.Choice((KV_TYPE_AUTO, *KV_CACHE_TYPES)),
+    default=KV_TYPE_AUTO,
+    show_default=True,
+    envvar="AHAKV_KV_TYPE",
+    help="KV cache type of K and V (q8_0 about half the bytes of f16, q4_0 a quarter; flash attention on). "
+    "auto: f16, except a byte budget below llama.cpp's trimmed cache: q8_0, below a fifth of it q5_0.",
+)
+
+
 def engine_options(f):
     """Options shared by the commands that load a model (llama.cpp's names, mirrored by AHAKV_* variables)."""
     options = [
@@ -152,15 +163,7 @@ def engine_options(f):
             default=None,
             help="Prompt tokens per decode call (default: 64 with a budget, to keep the cells near it; 512).",
         ),
-        click.option(
-            "--kv-type",
-            type=click.Choice((KV_TYPE_AUTO, *KV_CACHE_TYPES)),
-            default=KV_TYPE_AUTO,
-            show_default=True,
-            envvar="AHAKV_KV_TYPE",
-            help="KV cache type of K and V (q8_0 about half the bytes of f16, q4_0 a quarter; flash attention on). "
-            "auto: f16, except a byte budget below llama.cpp's trimmed cache: q8_0, below a fifth of it q5_0.",
-        ),
+        kv_type_option,
         click.option(
             "--reading",
             type=click.Choice(READINGS),
@@ -388,15 +391,7 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
     default=None,
     help="The layout whose allocation at --budget to state [default: generate's for the model].",
 )
-@click.option(
-    "--kv-type",
-    type=click.Choice((KV_TYPE_AUTO, *KV_CACHE_TYPES)),
-    default=KV_TYPE_AUTO,
-    show_default=True,
-    envvar="AHAKV_KV_TYPE",
-    help="The K and V type of the budget's caches, as generate takes it (auto: f16, or a smaller type for a byte "
-    "budget below llama.cpp's trimmed cache).",
-)
+@kv_type_option
 def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type) -> None:
     """Architecture, heads, sliding window, trained context and KV bytes of MODEL, per KV cache for
     swa_full on (llama-cpp-python's default) and off (llama.cpp's own tools: the sliding cache trimmed)."""
