@@ -91,6 +91,20 @@ kv_type_option = click.option(  # the commands that load a model, and info, whic
 )
 
 
+def check_query_reading(engine: dict) -> None:
+    """--query guides the reading of a prompt longer than the budget: refused where nothing would read it (no budget,
+    another reading, a policy without a question score)."""
+    from .policies import POLICIES, make_policy
+
+    if engine["reading"] != "query":
+        raise AhakvError(f"--query guides a reading; it cannot be combined with --reading {engine['reading']}")
+    if engine["budget"] is None:
+        raise AhakvError("--query guides the reading of a prompt longer than the budget: give a --budget too")
+    if not make_policy(engine["policy"]).reads_with_query:  # (an unknown name: refused by make_policy)
+        readers = ", ".join(name for name, cls in POLICIES.items() if cls.reads_with_query)
+        raise AhakvError(f"--query needs a policy that reads with a question ({readers}), not {engine['policy']}")
+
+
 def engine_options(f):
     """Options shared by the commands that load a model (llama.cpp's names, mirrored by AHAKV_* variables)."""
     options = [
@@ -333,8 +347,8 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
             raise AhakvError("give a prompt with -p, --file or on standard input")
     if not prompt.strip():  # llama-cpp-python would continue from nothing but the BOS token
         raise AhakvError(f"{source} is empty")
-    if query is not None and engine["reading"] != "query":
-        raise AhakvError(f"--query guides a reading; it cannot be combined with --reading {engine['reading']}")
+    if query is not None:  # refused rather than ignored: the reading would go on without the question
+        check_query_reading(engine)
     llm = load_llama(model, **engine)
     stream = llm.create_completion(
         prompt, max_tokens=n_predict, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, stream=True,

@@ -310,12 +310,19 @@ def test_bad_option_values_are_one_line(fixture_model):
         (["chat", "", "--top-k", "-5"], r"error: Invalid value for '--top-k': -5 is not in the range x>=0", 2),
         (["generate", "", "-f", "/dev/null"], r"error: /dev/null is empty", 1),
         (["generate", "", "-p", " \n"], r"error: the prompt is empty", 1),
+        (  # a question nothing reads: the prompt was read plainly, the question ignored
+            ["generate", "", "-p", "x", "--query", "q", "--budget", "64", "--policy", "h2o"],
+            r"error: --query needs a policy that reads with a question \(tova, snapkv, ahakv\), not h2o",
+            1,
+        ),
+        (["generate", "", "-p", "x", "--query", "q"], r"error: --query guides .* give a --budget too", 1),
     ],
 )
 def test_commands_refuse_bad_values_in_one_line(fixture_model, args, pattern, code):
     """Each of these was a traceback (a median of no rounds, a division by no decoded token, int('2K'), a port
     the socket refuses), ran the whole benchmark before failing, or ran on silently (a negative temperature or a
-    top-p above 1 sampled as something else; an empty prompt continued from the BOS token alone)."""
+    top-p above 1 sampled as something else; an empty prompt continued from the BOS token alone; a --query that no
+    reading used)."""
     command = [word for word in args[:2] if word]  # the command's words, then the model, then its options
     assert_one_line_error(ahakv(*command, str(fixture_model), *args[2:]), pattern, code=code)
 
