@@ -81,6 +81,9 @@ class ControllerConfig:
     room: int = 0  # cells the session allocated for a guided reading on top (a byte budget leaves them free)
     sliding_share: float | None = None  # natural, a byte budget: the sliding cache's share (budget.allocate)
     longest: int = 0  # the longest sequence the caches were sized for (budget.allocate's ``longest``; 0: unknown)
+    # how far positions may run where that is past ``longest`` (the drop-in: to the trained context, whatever n_ctx
+    # cells a ratio budget's caches were laid out in); 0: ``longest``
+    positions: int = 0
 
     def __post_init__(self) -> None:
         if self.evict_every < 1 or (self.observe_steps is not None and self.observe_steps < 1):
@@ -119,6 +122,7 @@ class KVController:
             if not engine.resizable:
                 raise AhakvError("layer budgets 'adaptive' resize the caches: not possible on a shared context")
             self.shares = LayerShares(engine.layer_sliding)
+        config.budget = self.fitted(config.budget)
         self.check_budget(config.budget, policy)
         self.groups: list[LayerGroup] = make_groups(engine, policy, self.allocation(config.budget))
         self.stats = ControllerStats(tokens_seen=engine.n_past)
@@ -485,13 +489,16 @@ class KVController:
     def fitted(self, budget: Budget) -> Budget:
         """``budget`` as the caches in place can hold it: a ratio of the tokens seen or ``auto`` (which keeps at least
         ``min_ratio`` of them), set on caches sized for a cell budget (chat's ``/budget 50%``, a server request's
-        ``kv_budget``), is capped at the cells the smallest full-attention cache holds between evictions. Uncapped
-        it grew with the conversation until the cache was full, and every message after that failed."""
+        ``kv_budget``) or for fewer positions than a sequence may reach (the drop-in's n_ctx cells, positions to the
+        trained context), is capped at the cells the smallest full-attention cache holds between evictions.
+        Uncapped it grew with the conversation, or the document, until the cache was full, and every message (the
+        rest of the document) after that failed."""
         if budget.mode not in ("ratio", "auto"):
             return budget
         e, room = self.engine, self.config.room
         cells = self._full_cache_cells()
-        if cells >= cells_for(replace(budget, cap=None), e.config.n_ubatch, self.config.longest, room):
+        reach = max(self.config.longest, self.config.positions)
+        if cells >= cells_for(replace(budget, cap=None), e.config.n_ubatch, reach, room):
             return budget  # caches sized for every position the ratio can keep
         held = int(holding_of(cells, e.config.n_ubatch, room).value)
         return replace(budget, cap=held if budget.cap is None else min(budget.cap, held))

@@ -229,9 +229,10 @@ class Llama(llama_cpp.Llama):
 
         engine = Engine.attach(self)
         self._kv_engine = engine
-        self._kv = spec.controller(engine, longest)  # as the caches were laid out (allocation_on above)
+        # as the caches were laid out (allocation_on above); positions, not cells, bound a sequence now: the trained
+        # context (a ratio or auto budget laid out in n_ctx cells is capped at what they hold: KVController.fitted)
+        self._kv = spec.controller(engine, longest, positions=engine.n_ctx_train)
         self._kv_reuse_compressed = kv_reuse_compressed
-        # positions, not cells, bound a sequence now: the trained context
         upstream.set_position_bound(self, engine.n_ctx_train)
 
     @staticmethod

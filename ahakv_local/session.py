@@ -144,7 +144,7 @@ class SessionSpec:
         spec = self.on_model(model, chunk, longest)
         return spec.allocation(model_layout(Path(model), spec.kv_type), chunk, longest)
 
-    def config(self, layout: CacheLayout, chunk: int, longest: int = 0) -> ControllerConfig:
+    def config(self, layout: CacheLayout, chunk: int, longest: int = 0, positions: int = 0) -> ControllerConfig:
         return ControllerConfig(
             self.budget,
             self.n_sink,
@@ -156,12 +156,14 @@ class SessionSpec:
             room=self.room(chunk),
             sliding_share=self.sliding_share,
             longest=longest,
+            positions=positions,
         )
 
-    def controller(self, engine: Engine, longest: int = 0) -> KVController:
+    def controller(self, engine: Engine, longest: int = 0, positions: int = 0) -> KVController:
         """A controller holding this spec's budget on ``engine`` (which the caller owns), whose caches were sized
-        for sequences of at most ``longest`` tokens (``allocation_on``; 0: unknown)."""
-        config = self.config(engine.cache_layout(), engine.config.n_ubatch, longest)
+        for sequences of at most ``longest`` tokens (``allocation_on``; 0: unknown) and whose positions may run to
+        ``positions`` (0: ``longest``; a ratio budget is then capped at what the caches hold: ``fitted``)."""
+        config = self.config(engine.cache_layout(), engine.config.n_ubatch, longest, positions)
         return KVController(engine, self.make_policy(), config)
 
 

@@ -144,6 +144,31 @@ def test_a_state_from_another_model_is_refused(gemma_model, fixture_model):
         assert llm("Hi", max_tokens=2, temperature=0)["choices"]
 
 
+@pytest.mark.parametrize("budget", ["50%", "auto"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"], ids=["one cache", "adaptive layers"])
+def test_a_ratio_or_auto_budget_reading_past_its_cells_stays_inside_them(budget, arch):
+    """A ratio or auto budget lays its caches out in n_ctx cells (generate's -c, 4,096 by default), while positions
+    run to the trained context: ``generate --budget 25%`` failed with "the KV cache is full" a third of the way into
+    an 18K-token document, where 25% of what it had read outgrew the 4,096 cells. The budget is capped at what the
+    caches hold (``KVController.fitted``): a prompt 8x n_ctx is read through whole, never past the cells."""
+    from ahakv_local.budget import holding_of
+    from ahakv_local.fixture import FixtureSpec
+    from ahakv_local.models import fixture_path
+
+    path = fixture_path(FixtureSpec(arch=arch, n_layer=6) if arch == "gemma3" else FixtureSpec())
+    with Llama(str(path), kv_budget=budget, n_ctx=256, n_batch=64, verbose=False) as llm:
+        kv = llm.kv_controller
+        full = [g for g in kv.groups if not g.window]
+        cells = min(llm.kv_engine.n_cells(g.map_layer) for g in full)
+        holds = int(holding_of(cells, 64, kv.config.room).value)
+        assert kv.config.budget.cap == holds  # what the smallest full-attention cache holds between evictions
+        prompt = llm.tokenize(b" ".join(b"weather %d" % i for i in range(300)))  # ~3,200 tokens: 50% is 1,600
+        assert len(prompt) > 8 * 256
+        out = llm(prompt, max_tokens=2, temperature=0)
+        assert out["usage"]["prompt_tokens"] == len(prompt)
+        assert max(g.live.size for g in full) <= holds and kv.stats.tokens_seen > len(prompt)
+
+
 def test_a_short_context_holds_what_llama_cpp_pads_it_to(gemma_model):
     """n_ctx=10 becomes 256 cells in llama.cpp; upstream's token array kept 10 entries (broadcast error)."""
     with Llama(str(gemma_model), n_ctx=10, n_batch=64, verbose=False) as llm:
