@@ -148,6 +148,11 @@ class KVController:
         full = [g for g in self.groups if not g.window] if self.config.layer_budgets in PER_LAYER else []
         return full or self.groups[:1]
 
+    @property
+    def reach(self) -> int:
+        """How far positions may run: the longest sequence the caches were laid out for, or further (``positions``)."""
+        return max(self.config.longest, self.config.positions)
+
     def allocated_cells(self) -> int:
         """The cells of the cache a counted group evicts from (their mean): what the budget is held in."""
         e = self.engine
@@ -464,11 +469,11 @@ class KVController:
         policy = policy or self.policy
         if policy.evicts and not budget.evicts:
             raise AhakvError(f"policy {policy.name} evicts: give it a budget (the full cache keeps everything)")
-        if not policy.evicts and (cells := self._full_cache_cells()) < self.config.longest:
+        if not policy.evicts and (cells := self._full_cache_cells()) < self.reach:
             # every later decode would fail with "the KV cache is full" once the sequence passed the cells
             raise AhakvError(
                 f"policy {policy.name} keeps every token: these caches hold {cells} cells, not the "
-                f"{self.config.longest} positions the context reaches (open it without a budget for the full cache)"
+                f"{self.reach} positions the context reaches (open it without a budget for the full cache)"
             )
         self.check_floor(budget)
         if budget.mode == "auto" and not policy.supports_auto_budget:
@@ -497,8 +502,7 @@ class KVController:
             return budget
         e, room = self.engine, self.config.room
         cells = self._full_cache_cells()
-        reach = max(self.config.longest, self.config.positions)
-        if cells >= cells_for(replace(budget, cap=None), e.config.n_ubatch, reach, room):
+        if cells >= cells_for(replace(budget, cap=None), e.config.n_ubatch, self.reach, room):
             return budget  # caches sized for every position the ratio can keep
         held = int(holding_of(cells, e.config.n_ubatch, room).value)
         return replace(budget, cap=held if budget.cap is None else min(budget.cap, held))

@@ -169,6 +169,13 @@ def test_a_ratio_or_auto_budget_reading_past_its_cells_stays_inside_them(budget,
         assert max(g.live.size for g in full) <= holds and kv.stats.tokens_seen > len(prompt)
 
 
+def test_the_full_cache_on_cells_laid_out_for_a_ratio_is_refused(fixture_model):
+    """The policy that keeps every token on 256 cells whose positions run to the trained context (4,096): it would
+    fail with "the KV cache is full" past them."""
+    with pytest.raises(AhakvError, match="policy full keeps every token: these caches hold 256 cells, not the 4096"):
+        Llama(str(fixture_model), kv_budget="25%", kv_policy="full", n_ctx=256, verbose=False)
+
+
 def test_a_short_context_holds_what_llama_cpp_pads_it_to(gemma_model):
     """n_ctx=10 becomes 256 cells in llama.cpp; upstream's token array kept 10 entries (broadcast error)."""
     with Llama(str(gemma_model), n_ctx=10, n_batch=64, verbose=False) as llm:
