@@ -415,8 +415,6 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type) -> None:
     from .session import SessionSpec
 
     budget = Budget.parse(budget)  # one line for a malformed budget, before the model is read
-    if budget.mode == "none":
-        raise AhakvError("--budget must be a budget (cells, bytes, a ratio or auto)")
     if ctx_size is not None and ctx_size < 1:
         raise AhakvError("--ctx-size must be at least 1")
     path = resolve_model(model, progress=True)
