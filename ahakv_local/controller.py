@@ -510,11 +510,7 @@ class KVController:
     def set_budget(self, budget: Budget) -> int:
         """Check, apply and enforce a new budget now (``fitted`` to the caches); returns how many positions were
         evicted (as ``ControllerStats.evicted`` counts them)."""
-        budget = self.fitted(budget)
-        self.check_budget(budget)
-        self.config.budget = budget
-        for g, held in zip(self.groups, self.allocation(budget).groups, strict=True):
-            g.budget = held
+        self._take_budget(budget)
         before = self.stats.evicted
         self.evict()
         return self.stats.evicted - before
@@ -523,12 +519,17 @@ class KVController:
         """Check ``budget`` with ``policy`` together, then make them the ones in force: the configured budget,
         every group's eviction target (``allocation``) and the policy. Nothing is evicted now; the caller
         usually starts a new sequence next (``truncate(0)``). A ratio or auto budget is ``fitted`` to the caches."""
+        self._take_budget(budget, policy)
+        self.set_policy(policy)
+
+    def _take_budget(self, budget: Budget, policy: Policy | None = None) -> None:
+        """``budget``, ``fitted`` and checked (with ``policy``, default the current one), as the configured budget and
+        every group's eviction target; nothing is evicted."""
         budget = self.fitted(budget)
         self.check_budget(budget, policy)
         self.config.budget = budget
         for g, held in zip(self.groups, self.allocation(budget).groups, strict=True):
             g.budget = held
-        self.set_policy(policy)
 
     def fits(self, budget: Budget) -> bool:
         """Whether the allocated cells of every cache hold its group's budget plus one prompt chunk and the
