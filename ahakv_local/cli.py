@@ -354,12 +354,20 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
         prompt, max_tokens=n_predict, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, stream=True,
         kv_query=query or None,
     )  # fmt: skip
+    finish = None
     try:
         for chunk in stream:
-            click.echo(chunk["choices"][0]["text"], nl=False)
+            choice = chunk["choices"][0]
+            click.echo(choice["text"], nl=False)
+            finish = choice["finish_reason"] or finish
     except ValueError as exc:  # llama-cpp-python's request errors: the prompt does not fit the context
         raise AhakvError(str(exc)) from None
     click.echo()
+    made = llm.kv_stats().sampled_tokens
+    if finish == "length" and made < n_predict:  # llama-cpp-python cuts max_tokens to the context, silently
+        bounded = "" if llm.kv_controller else ": raise -c, or give a --budget to keep the cache bounded"
+        click.echo(f"stopped after {made} of {n_predict} tokens: the context holds {llm.n_ctx()} positions{bounded}",
+                   err=True)  # fmt: skip
     if stats:
         s = llm.kv_stats()
         budget = s.budget if s.budget is not None else "-"

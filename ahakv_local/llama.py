@@ -163,6 +163,7 @@ class Llama(llama_cpp.Llama):
             raise AhakvError(f"kv_query must be True, False, 'reconstruct' or 'surprisal', not {kv_query!r}")
         self._kv_query_default = kv_query
         self._kv_guide = None  # what the next prompt is read with (set per request)
+        self._context_full = False  # the last completion ended because the context was full (``_counted``)
         self._chat_question: str | None = None
         if kv_type == KV_TYPE_AUTO and kwargs.get("flash_attn") is False:
             kv_type = "f16"  # a quantized V needs flash attention
@@ -353,7 +354,12 @@ class Llama(llama_cpp.Llama):
 
     def _counted(self, tokens):
         """Pass the sampled tokens (and anything sent back) through, counting them: a completion's
-        stream has one chunk per piece of text, not per token (empty and held-back pieces)."""
+        stream has one chunk per piece of text, not per token (empty and held-back pieces).
+
+        Where decoding the next token would pass the context it ends with an end-of-generation token, which no
+        model sampled: llama-cpp-python cuts max_tokens to fit the context, then samples on past it while a UTF-8
+        character is incomplete, and llama_decode failed there. That token makes its completion end with the
+        text so far; ``_create_completion`` reports it as "length"."""
         sent = None
         while True:
             try:
@@ -362,6 +368,11 @@ class Llama(llama_cpp.Llama):
                 return
             self._timing["sampled"] += 1
             sent = yield token
+            if self.n_tokens + 1 + len(sent or ()) > self.n_ctx():  # the token, and what was sent back with it
+                tokens.close()
+                self._context_full = True
+                yield self.token_eos()
+                return
 
     def _needs_rewind(self, tokens: Sequence[int]) -> bool:
         """Whether ``tokens`` fails to extend the whole cached sequence (llama-cpp-python would rewind)."""
@@ -369,8 +380,12 @@ class Llama(llama_cpp.Llama):
         return n > 0 and (len(tokens) <= n or list(self._input_ids[:n]) != list(tokens[:n]))
 
     def _create_completion(self, *args, **kwargs):
+        self._context_full = False
         try:
-            yield from super()._create_completion(*args, **kwargs)
+            for out in super()._create_completion(*args, **kwargs):
+                if self._context_full and out["choices"][0]["finish_reason"] == "stop":
+                    out["choices"][0]["finish_reason"] = "length"  # the context ended it (``_counted``)
+                yield out
         except ValueError as exc:
             # upstream names llama_n_ctx (the allocated cells) as the limit; with a budget it is the
             # trained context, which is what _n_ctx holds and checks

@@ -369,6 +369,30 @@ def test_a_prompt_past_the_trained_context(fixture_model):
     )
 
 
+@pytest.mark.parametrize(
+    ("model", "args", "prompt", "positions", "hint"),
+    [
+        # llama.cpp pads 10 cells to 256 (the random fixture ends its text early here, Gemma does not)
+        ("gemma_model", ("-c", "10"), "Hello", 256, True),
+        ("fixture_model", ("--budget", "64"), "a b " * 1950, 4096, False),  # the fixture's trained context
+    ],
+)
+def test_generate_says_why_it_stopped_short(request, model, args, prompt, positions, hint):
+    """llama-cpp-python cuts max_tokens to what the context has left, silently: generate says so (and, without a
+    budget, what to change). Its -n is honoured where it fits: no such line then."""
+    path = str(request.getfixturevalue(model))
+    proc = ahakv("generate", path, *args, "-n", "300", "--stats", stdin=prompt)
+    assert proc.returncode == 0, proc.stderr
+    m = re.search(r"stopped after (\d+) of 300 tokens: the context holds (\d+) positions(.*)", proc.stderr)
+    assert m, proc.stderr
+    stats = re.search(r"prompt (\d+) tok .* generated (\d+) tok", proc.stderr)
+    n_prompt, generated = int(stats[1]), int(stats[2])
+    # what was left of the context (and up to 3 more tokens to finish a UTF-8 character, as above)
+    assert int(m[1]) == generated and positions - n_prompt <= generated <= positions - n_prompt + 3 < 300
+    assert int(m[2]) == positions and bool(m[3]) == hint
+    assert "stopped after" not in ahakv("generate", path, *args, "-n", "20", stdin=prompt).stderr
+
+
 def test_ahakv_threads_is_read_in_one_place(fixture_model, monkeypatch):
     """AHAKV_THREADS is read by ``engine.default_threads`` alone: the drop-in the CLI loads runs that many threads
     (llama-cpp-python's own default would be half the cores), and a bad value is one line naming the variable."""

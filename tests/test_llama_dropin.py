@@ -183,6 +183,20 @@ def test_a_short_context_holds_what_llama_cpp_pads_it_to(gemma_model):
         assert out["usage"]["prompt_tokens"] > 10 and out["usage"]["completion_tokens"] == 16
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completion_that_fills_the_context_ends_as_length(fixture_model, stream):
+    """llama-cpp-python cuts max_tokens to what the context has left, then samples on past it while a UTF-8
+    character is incomplete: here (the random fixture's bytes) llama_decode failed one token past the 256 cells.
+    The completion ends at the context instead, as "length", with every token that fit decoded."""
+    with Llama(str(fixture_model), n_ctx=256, verbose=False) as llm:
+        out = llm.create_completion("a b " * 50, max_tokens=300, temperature=0, stream=stream)
+        last = list(out)[-1] if stream else out
+        assert last["choices"][0]["finish_reason"] == "length"
+        assert llm.n_tokens == 256 == llm.n_ctx()
+        # the prompt's 102 tokens, then each sampled token decoded but the last (never decoded, as upstream's)
+        assert llm.kv_stats().sampled_tokens == 256 - 102 + 1
+
+
 def test_a_prompt_past_the_trained_context_names_it(fixture_model):
     with Llama(str(fixture_model), kv_budget=64, n_batch=64, verbose=False) as llm:  # trained context 4,096
         with pytest.raises(ValueError, match="trained context of 4096 positions"):
