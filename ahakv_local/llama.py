@@ -164,6 +164,7 @@ class Llama(llama_cpp.Llama):
         self._kv_query_default = kv_query
         self._kv_guide = None  # what the next prompt is read with (set per request)
         self._context_full = False  # the last completion ended because the context was full (``_counted``)
+        self._usage = [0, 0]  # the last completion's prompt and completion tokens (``last_usage``)
         self._chat_question: str | None = None
         if kv_type == KV_TYPE_AUTO and kwargs.get("flash_attn") is False:
             kv_type = "f16"  # a quantized V needs flash attention
@@ -350,7 +351,16 @@ class Llama(llama_cpp.Llama):
             # the same request meets the same evictions and gets the same answer
             self.n_tokens = 0
             self._requires_eval = True
+        self._usage = [len(tokens), 0]
         return self._counted(super().generate(tokens, *args, **kwargs))
+
+    @property
+    def last_usage(self) -> dict[str, int]:
+        """The last completion's token counts in OpenAI's shape, as llama-cpp-python reports them in a completion
+        that is not streamed (its prompt, and what it sampled up to its end-of-generation token); a stream has them
+        here once it has ended."""
+        prompt, completion = self._usage
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _counted(self, tokens):
         """Pass the sampled tokens (and anything sent back) through, counting them: a completion's
@@ -367,6 +377,8 @@ class Llama(llama_cpp.Llama):
             except StopIteration:
                 return
             self._timing["sampled"] += 1
+            if not llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(self.model), token):  # ends before it
+                self._usage[1] += 1
             sent = yield token
             if self.n_tokens + 1 + len(sent or ()) > self.n_ctx():  # the token, and what was sent back with it
                 tokens.close()

@@ -1,7 +1,8 @@
 """``ahakv-local serve``: an OpenAI-compatible HTTP server over one bounded-cache ``Llama``.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (``stream: true`` sends
-server-sent events, ending with ``data: [DONE]``), GET /v1/kv/stats, GET /health (200 when the model is
+server-sent events, ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk with the token
+counts before it), GET /v1/kv/stats, GET /health (200 when the model is
 free, 503 while a request holds it). Besides the OpenAI fields a request may carry ``kv_budget`` and
 ``kv_policy``; they apply to that request only and are checked together before anything changes. ``kv_query``
 is the question a prompt longer than the budget is read with (see ``Llama``'s ``kv_query``).
@@ -69,12 +70,18 @@ NOT_SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False  # a last chunk, before [DONE], with no choice and the request's token counts
+
+
 class KVFields(BaseModel):
-    # other OpenAI fields (user, metadata, stream_options, ...) change nothing in the answer: accepted and
-    # ignored; NaN and infinities (Python's JSON reader takes them) are refused
+    # other OpenAI fields (user, metadata, ...) change nothing in the answer: accepted and ignored; NaN and
+    # infinities (Python's JSON reader takes them) are refused
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(256, ge=0)  # 0 or null: up to the server's limit
     temperature: float = Field(0.8, ge=0, le=2)  # OpenAI's ranges
     top_p: float = Field(0.95, ge=0, le=1)
@@ -97,6 +104,10 @@ class KVFields(BaseModel):
                 asked = f"{name}={shown}" if len(shown) <= 40 else name  # (tools: a long schema)
                 raise ValueError(f"{asked} is not supported: this server gives {NOT_SUPPORTED[name][1]}")
         return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(KVFields):
@@ -228,6 +239,11 @@ async def respond(job: Job, request: Request) -> Response:
             job.cancelled.set()  # a no-op after the end; stops the worker if this coroutine was cancelled
 
 
+def usage_chunk(last: dict, usage: dict) -> dict:
+    """The chunk ``stream_options.include_usage`` asks for after a stream's ``last``: its id, no choice, the usage."""
+    return {**{k: last[k] for k in ("id", "object", "created", "model")}, "choices": [], "usage": usage}
+
+
 def sampling_of(req: KVFields, limit: int) -> dict:
     """The sampling arguments of a request (``max_tokens`` 0, null or above ``limit`` is cut to it)."""
     kw = {
@@ -322,9 +338,12 @@ class SerialRunner:
                 if not req.stream:
                     job.post("result", out)
                     return
+                last = None
                 with contextlib.closing(out):  # closed here, in the thread that ran it
-                    for chunk in out:
-                        job.post("chunk", chunk)
+                    for last in out:
+                        job.post("chunk", last)
+                if last is not None and req.include_usage:
+                    job.post("chunk", usage_chunk(last, self.llm.last_usage))
                 job.post("done")
         except Stopped:  # the server is stopping (or the client left, and nobody reads this)
             job.post("error", (503, "the server is shutting down"))
@@ -458,7 +477,7 @@ class ParallelRunner:
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
             )
-            reply = Reply(job, self.model_name, job.kind, len(tokens), req.stream)
+            reply = Reply(job, self.model_name, job.kind, len(tokens), req.stream, req.include_usage)
             gen = Generation(tokens, sampling, reply.emit, job.stopped, budget, req.kv_policy, read_with)
             reply.gen = gen
             self.pool.start(gen)
@@ -481,8 +500,9 @@ class ParallelRunner:
 class Reply:
     """Turns a Generation's text into the Job's events, in llama-cpp-python's OpenAI shapes."""
 
-    def __init__(self, job: Job, model: str, kind: str, n_prompt: int, stream: bool):
+    def __init__(self, job: Job, model: str, kind: str, n_prompt: int, stream: bool, include_usage: bool = False):
         self.job, self.model, self.kind, self.n_prompt, self.stream = job, model, kind, n_prompt, stream
+        self.include_usage = include_usage
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.text: list[str] = []
@@ -500,6 +520,10 @@ class Reply:
             return self._body({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}, True)
         return self._body({"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}, True)
 
+    def _usage(self) -> dict:
+        n = len(self.gen.tokens) if self.gen else 0
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": n, "total_tokens": self.n_prompt + n}
+
     def emit(self, text: str, finish: str | None) -> None:
         if finish == "cancelled":
             self.job.post("error", (503, "the server is shutting down"))
@@ -514,14 +538,16 @@ class Reply:
             if text:
                 self.job.post("chunk", self._piece(text, None))
             if finish is not None:
-                self.job.post("chunk", self._piece(None, finish))
+                last = self._piece(None, finish)
+                self.job.post("chunk", last)
+                if self.include_usage:
+                    self.job.post("chunk", usage_chunk(last, self._usage()))
                 self.job.post("done")
             return
         self.text.append(text)
         if finish is None:
             return
-        content, n = "".join(self.text), len(self.gen.tokens) if self.gen else 0
-        usage = {"prompt_tokens": self.n_prompt, "completion_tokens": n, "total_tokens": self.n_prompt + n}
+        content, usage = "".join(self.text), self._usage()
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None}
         else:

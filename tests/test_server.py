@@ -145,6 +145,30 @@ def test_completion_and_stream(client):
     assert "".join(p.choices[0].text for p in pieces) == text
 
 
+@pytest.mark.parametrize("route", ["completion", "chat"])
+def test_a_stream_asking_for_usage_ends_with_the_counts_of_the_same_request_unstreamed(client, route):
+    """OpenAI's ``stream_options.include_usage``: one more chunk before [DONE], with no choice and the usage the
+    request gets unstreamed (llama-cpp-python's counts; here past the 96-cell budget)."""
+    if route == "chat":
+        create = client.chat.completions.create
+        kw = {"messages": [{"role": "user", "content": "Please count from 1 to 200: 1, 2, 3, 4, 5,"}]}
+    else:
+        create, kw = client.completions.create, {"prompt": REPEAT}
+    kw.update(model="local", max_tokens=40, temperature=0)
+    plain = create(**kw)
+    chunks = list(create(**kw, stream=True, stream_options={"include_usage": True}))
+    *pieces, last = chunks
+    assert last.choices == [] and last.usage == plain.usage and last.id == pieces[0].id
+    assert plain.usage.completion_tokens > 0 and plain.usage.prompt_tokens > 0
+    assert all(c.usage is None for c in pieces)
+    if route == "chat":
+        assert "".join(c.choices[0].delta.content or "" for c in pieces) == plain.choices[0].message.content
+    else:
+        assert "".join(c.choices[0].text for c in pieces) == plain.choices[0].text
+    unasked = list(create(**kw, stream=True))  # without it: no such chunk
+    assert len(unasked) == len(pieces) and all(c.choices for c in unasked)
+
+
 def test_chat_and_stream_past_the_budget(client, server):
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},

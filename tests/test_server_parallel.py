@@ -249,6 +249,19 @@ def test_eight_concurrent_requests_each_in_its_own_sequence(fixture_model, licen
         assert events[-1] == "[DONE]"
         pieces = [json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1]]
         assert "".join(pieces) == alone[3][1]["choices"][0]["message"]["content"]
+        # asking for the usage (stream_options.include_usage): one more chunk, no choice, the counts alone had
+        req = urllib.request.Request(
+            base + "/v1/chat/completions",
+            json.dumps(
+                {**chat_body(3, license_text), "stream": True, "stream_options": {"include_usage": True}}
+            ).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            counted = [ln[6:] for ln in r.read().decode().splitlines() if ln.startswith("data: ")]
+        assert len(counted) == len(events) + 1 and counted[-1] == "[DONE]"
+        usage = json.loads(counted[-2])
+        assert usage["choices"] == [] and usage["usage"] == alone[3][1]["usage"]
     finally:
         stop_server(proc)
 
