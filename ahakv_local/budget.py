@@ -102,6 +102,18 @@ class Budget:
         return "full cache"
 
 
+def as_option(budget: Budget) -> str:
+    """The text ``--budget`` (and chat's ``/budget``) takes for ``budget``: "1024", "25%", "8MiB", "auto" (a cap is
+    the caches', not the budget's)."""
+    if budget.mode == "cells":
+        return str(int(budget.value))
+    if budget.mode == "ratio":
+        return f"{100 * budget.value:g}%"
+    if budget.mode == "bytes":
+        return format_bytes(int(budget.value)).replace(" ", "")
+    return budget.mode
+
+
 BYTE_UNITS = {"GiB": 1024**3, "MiB": 1024**2, "KiB": 1024, "B": 1}  # largest first; "B" ends them all: last
 
 

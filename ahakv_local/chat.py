@@ -31,7 +31,8 @@ HELP = """commands:
   /reset            forget the conversation (keeps the system prompt)
   /stats            cache and speed statistics
   /policy NAME      switch the eviction policy ({policies})
-  /budget N|R|auto  change the budget (cells, a ratio like 0.25, or auto), up to the allocated cells
+  /budget N|R|auto  change the budget (cells, a ratio like 0.25, or auto), up to the allocated cells;
+                    KV bytes (8MiB) give the caches that size
   /read FILE        read a document into the conversation (compressed to the budget, for any question)
   /save FILE        save the conversation and its cache
   /load FILE        restore a conversation saved with /save
@@ -150,8 +151,12 @@ class ChatSession:
             max_ratio=kv.config.budget.max_ratio,
             error_tol=kv.config.budget.error_tol,
         )
-        evicted = kv.set_budget(b)  # checks the floor, the allocated cells and the policy's capability
-        return f"budget: {kv.config.budget} (evicted {evicted} now)"  # a ratio: at most what the cache holds
+        before = kv.engine.kv_bytes()
+        # checks the floor, the allocated cells and the policy's capability; bytes re-size the caches to them
+        evicted = kv.set_budget(b, resize=True)
+        now = kv.engine.kv_bytes()
+        caches = f", KV caches {kv_size(before)} -> {kv_size(now)}" if now != before else ""
+        return f"budget: {kv.config.budget} (evicted {evicted} now{caches})"  # a ratio: at most what the cache holds
 
     def _controller(self):
         if self.llm.kv_controller is None:
@@ -319,6 +324,10 @@ def _repl(session: ChatSession) -> None:
             click.echo("[answer stopped]", err=True)
             interrupted = True
         click.echo(session.stats_line() + f" {time.perf_counter() - t0:.1f} s", err=True)
+
+
+def kv_size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"  # (a test model's caches are KiB)
 
 
 def command(session: ChatSession, cmd: str, arg: str) -> str:

@@ -224,7 +224,9 @@ class KVController:
 
     def _sizes(self) -> tuple[int, ...]:
         """The cells of each cache as the next decode will have them (an adaptive decision may be pending)."""
-        return self._resize_to or self.engine.cache_sizes()
+        if self._resize_to is None:
+            return self.engine.cache_sizes()
+        return tuple(self._resize_to[c] for c in self.engine.caches)  # (a decision names every cache the config has)
 
     # -- decoding ------------------------------------------------------------------------------------
 
@@ -507,12 +509,29 @@ class KVController:
         held = int(holding_of(cells, e.config.n_ubatch, room).value)
         return replace(budget, cap=held if budget.cap is None else min(budget.cap, held))
 
-    def set_budget(self, budget: Budget) -> int:
+    def set_budget(self, budget: Budget, resize: bool = False) -> int:
         """Check, apply and enforce a new budget now (``fitted`` to the caches); returns how many positions were
-        evicted (as ``ControllerStats.evicted`` counts them)."""
-        self._take_budget(budget)
+        evicted (as ``ControllerStats.evicted`` counts them). With ``resize``, a byte budget also gives the caches
+        its layout where the engine can move the sequence (``Engine.resizable``): the allocated bytes become the
+        budget's, fewer or more, as if the session had been opened with it (chat's ``/budget 8MiB``). Otherwise
+        every budget is held inside the caches as they are."""
+        lay_out = resize and budget.mode == "bytes" and self.engine.resizable
+        planned = self._resize_to
+        if lay_out:  # checked against the caches it will have (``_sizes``), not those of now
+            self._resize_to = tuple(self.allocation(budget).cache_cells)
+        try:
+            self._take_budget(budget)
+        except AhakvError:
+            self._resize_to = planned
+            raise
         before = self.stats.evicted
-        self.evict()
+        self.evict()  # down to the new holdings first: a cache cannot shrink below the cells it uses
+        if lay_out:
+            if self._pending:
+                self._observe_block()  # the summed rows live in the old context's statistics
+            if self._resize_to is not None and self._sizes() != self.engine.cache_sizes():
+                self._resize()  # now: a failure is this call's, not the next decode's
+            self._resize_to = None
         return self.stats.evicted - before
 
     def configure(self, budget: Budget, policy: Policy) -> None:
@@ -724,29 +743,38 @@ class KVController:
         self._hold(self.allocation(self.config.budget, self.shares.decide(self.engine.n_past)))
         return sum(self._evict(g, None, measure=False) for g in self.groups)
 
+    def takes_sizes(self, cells: Sequence[int]) -> bool:
+        """Whether ``take_sizes`` takes these cache sizes: those of now, or adaptive shares of this budget (each kind of
+        layer holding at most its even split)."""
+        e = self.engine
+        if tuple(cells) == e.cache_sizes():
+            return True
+        if self.shares is None or len(cells) != len(self.groups):
+            return False
+        if min(holding_of(n, e.config.n_ubatch, self.config.room).value for n in cells) < 1:
+            return False
+        kinds = [bool(g.window) for g in self.groups]  # in cache order, as ``cells``
+
+        def per_kind(sizes: Sequence[int]) -> list[int]:
+            return [sum(n for n, k in zip(sizes, kinds, strict=True) if k == kind) for kind in (False, True)]
+
+        even = self.allocation(self.config.budget, [1.0] * len(self.groups)).cache_cells
+        return all(a <= b for a, b in zip(per_kind(cells), per_kind(even), strict=True))
+
     def take_sizes(self, cells: tuple[int, ...]) -> None:
         """Empty the sequence and give the caches ``cells`` (a saved state's, made where adaptive shares had
         resized them: llama.cpp loads a cache's cells only into a cache as large), every layer holding what its
         cache was sized for. Refused in one line where the sizes do not fit this layout and budget."""
         e = self.engine
-        held = [holding_of(n, e.config.n_ubatch, self.config.room) for n in cells]
-        kinds = [bool(g.window) for g in self.groups]  # in cache order, as ``cells``
-
-        def per_kind(sizes: Sequence[int]) -> list[int]:  # a kind's shares add up to its even split at most
-            return [sum(n for n, k in zip(sizes, kinds, strict=True) if k == kind) for kind in (False, True)]
-
-        def fits() -> bool:
-            if self.shares is None or len(cells) != len(self.groups) or min(h.value for h in held) < 1:
-                return False
-            even = self.allocation(self.config.budget, [1.0] * len(self.groups)).cache_cells
-            return all(a <= b for a, b in zip(per_kind(cells), per_kind(even), strict=True))
-
-        if not fits():
+        if not self.takes_sizes(cells):
             raise AhakvError(
                 f"this state was saved in caches of other sizes ({min(cells)}-{max(cells)} cells): not this context's "
                 "layout and budget"
             )
         self.truncate(0)
+        if tuple(cells) == e.cache_sizes():
+            return
+        held = [holding_of(n, e.config.n_ubatch, self.config.room) for n in cells]
         self._hold(replace(self.allocation(self.config.budget), groups=tuple(held), cache_cells=cells))
         if self._resize_to is not None:
             self._resize()  # now: llama.cpp loads the state next

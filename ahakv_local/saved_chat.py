@@ -5,7 +5,7 @@ checking that the file is what it claims to be and was saved from the same model
 foreign file is refused with one line and the running conversation stays as it was.
 
     chat.json   {"format", "version", "model": {...}, "system", "messages", "n_tokens", "input_ids", "seed",
-                 "cache_cells"}
+                 "cache_cells", "budget", "layer_budgets"}
     state.bin   llama_state_get_data() of the context (the compressed cache, positions included)
 """
 
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import upstream
+from .budget import Budget, as_option
 from .errors import AhakvError
 
 FORMAT = "ahakv-local chat"
@@ -53,6 +54,9 @@ def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None
         "seed": int(state.seed),
         # the cells of each KV cache the state was made in (adaptive layer budgets resize them; None: no budget)
         "cache_cells": [int(n) for n in state.kv_cache_cells] if getattr(state, "kv_cache_cells", None) else None,
+        # the budget those caches were laid out for, as --budget takes it (chat's /budget 8MiB re-sizes them)
+        "budget": as_option(llm.kv_controller.config.budget) if llm.kv_controller is not None else None,
+        "layer_budgets": llm.kv_controller.config.layer_budgets if llm.kv_controller is not None else None,
     }
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -78,12 +82,32 @@ def load_chat(path: Path, llm) -> tuple[list[dict], str | None]:
         llama_state=blob,
         seed=meta["seed"],
     )
-    state.kv_cache_cells = meta.get("cache_cells")  # checked by the drop-in against its layout and budget
+    cells, kv = meta.get("cache_cells"), llm.kv_controller
+    if cells is not None and kv is not None and not kv.takes_sizes(cells):
+        raise AhakvError(
+            f"{path} was saved in KV caches of other sizes ({min(cells)}-{max(cells)} cells){_how_to_load(meta, kv)}"
+        )
+    state.kv_cache_cells = cells  # the caches the drop-in gives the state
     try:
         llm.load_state(state)
     except ValueError as exc:
         raise AhakvError(f"{path}: {exc}") from None
     return messages, system
+
+
+def _how_to_load(meta: dict, kv) -> str:
+    """What lays the caches out as a saved chat's were: its budget and layout (older files name neither)."""
+    budget, layout = meta.get("budget"), meta.get("layer_budgets")
+    if not isinstance(budget, str) or (budget, layout) == (as_option(kv.config.budget), kv.config.layer_budgets):
+        return ""  # (laid out as here, and still not these caches: nothing to suggest)
+    opened = f"open the chat with --budget {budget}"
+    if isinstance(layout, str) and layout != kv.config.layer_budgets:
+        return f": {opened} --layer-budgets {layout}"
+    try:
+        resizes = Budget.parse(budget).mode == "bytes"  # chat's /budget re-sizes the caches for bytes only
+    except AhakvError:
+        return ""
+    return f": /budget {budget} first, or {opened}" if resizes else f": {opened}"
 
 
 def _read(path: Path) -> tuple[dict, bytes]:

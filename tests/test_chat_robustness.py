@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 import sys
 import zipfile
@@ -15,6 +16,7 @@ import pexpect
 import pytest
 
 from ahakv_local import Llama
+from ahakv_local.budget import Budget
 from ahakv_local.chat import ChatSession, command, keep_transcript
 from ahakv_local.errors import AhakvError
 from ahakv_local.fixture import FixtureSpec
@@ -122,7 +124,7 @@ def test_foreign_and_damaged_files_change_nothing(chat, tmp_path):
         "another version": lambda m, b: ({**m, "version": 99}, b),
         "llama.cpp refused": lambda m, b: (m, b[: len(b) // 2]),
         "invalid KV cache sizes": lambda m, b: ({**m, "cache_cells": [0, "x"]}, b),
-        "saved in caches of other sizes": lambda m, b: ({**m, "cache_cells": [n + 1 for n in m["cache_cells"]]}, b),
+        "saved in KV caches of other sizes": lambda m, b: ({**m, "cache_cells": [n + 1 for n in m["cache_cells"]]}, b),
     }
     for message, edit in cases.items():
         with pytest.raises(AhakvError, match=message):
@@ -207,6 +209,57 @@ def test_a_ratio_or_auto_budget_set_in_a_chat_stays_inside_its_cache(budget, sli
         while kv.stats.tokens_seen < 1500:
             talk(s, "please tell me more about the weather " * 25)
             assert max(g.live.size for g in full) <= holds, s.stats_line()
+    finally:
+        s.llm.close()
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["one cache", "adaptive layers"])
+def test_a_byte_budget_set_in_a_chat_gives_the_caches_its_bytes(sliding, tmp_path):
+    """``/budget 8MiB`` answered "budget: 8 MiB" and kept the caches allocated at the start (13.8 MiB for the default
+    chat): a byte budget is allocated KV bytes. The caches are now laid out for it, smaller or larger, as in a chat
+    opened with it, the conversation kept. A chat saved in them loads where the caches are laid out alike, and
+    elsewhere the error names the budget that lays them out so."""
+    path = fixture_path(FixtureSpec(arch="gemma3", n_layer=6)) if sliding else fixture_path()
+    s = session(path, budget=1024)
+    try:
+        kv, e = s.llm.kv_controller, s.llm.kv_engine
+        talk(s, "please tell me about the weather " * 7)  # under 256 positions: adaptive shares still even
+        seen, start = kv.stats.tokens_seen, e.kv_bytes()
+        small = f"{start // 4 // 1024}KiB"
+        said = re.match(
+            rf"budget: {small[:-3]} KiB \(evicted (\d+) now, KV caches \d+ KiB -> \d+ KiB\)", s.set_budget(small)
+        )
+        assert said and int(said[1]) > 0
+        # the bytes, less what whole cells leave (under one cell a cache; the session's own eviction period and
+        # guide room stay, so a chat opened with the budget, which picks them for it, may split it otherwise)
+        one_cell_each = sum(e.cell_bytes(c) for c in e.caches)
+        assert Budget.parse(small).value - one_cell_each < e.kv_bytes() <= Budget.parse(small).value
+        for g in kv.groups:  # the conversation kept, every group's positions those its cache holds
+            np.testing.assert_array_equal(g.live, g.read_live(e))
+        assert kv.stats.tokens_seen == seen
+        talk(s, "and tomorrow?")
+        assert all(g.live.size <= g.budget.value for g in kv.groups if not g.window)
+
+        saved = tmp_path / "small.chat"
+        s.save(saved)
+        big = f"{2 * start // 1024}KiB"
+        before = kv.stats.evicted
+        assert "KV caches" in s.set_budget(big)
+        assert Budget.parse(big).value - one_cell_each < e.kv_bytes() <= Budget.parse(big).value
+        assert kv.stats.evicted == before  # a larger budget evicts nothing
+        if sliding:  # adaptive shares of a larger budget hold the smaller caches: loaded into them
+            assert s.load(saved).startswith("loaded")
+        else:
+            with pytest.raises(
+                AhakvError,
+                match=rf"KV caches of other sizes \(\d+-\d+ cells\): /budget {small} first, or open the chat",
+            ):
+                s.load(saved)
+            s.set_budget(small)
+            assert s.load(saved).startswith("loaded")
+        talk(s, "one more")
+        for g in kv.groups:
+            np.testing.assert_array_equal(g.live, g.read_live(e))
     finally:
         s.llm.close()
 
