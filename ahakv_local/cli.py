@@ -12,7 +12,15 @@ import click
 
 from . import __version__
 from .budget import DEFAULT_LAYER_BUDGETS, KV_TYPE_AUTO, LAYER_BUDGETS, READINGS
-from .cli_eval import gpu_layers, n_gpu_layers_option, offloads_by_default, parse_rpc, rpc_option, threads_option
+from .cli_eval import (
+    Count,
+    gpu_layers,
+    n_gpu_layers_option,
+    offloads_by_default,
+    parse_rpc,
+    rpc_option,
+    threads_option,
+)
 from .errors import AhakvError
 from .extras import require
 from .info import KV_CACHE_TYPES
@@ -205,7 +213,6 @@ class PolicyOption(click.Option):
         return super().get_help_record(ctx)
 
 
-Count = click.IntRange(min=0)  # click reports a value outside the range in one line, with the option's name
 Positive = click.IntRange(min=1)
 
 

@@ -16,6 +16,9 @@ from .errors import AhakvError
 from .extras import require
 from .info import KV_CACHE_TYPES
 
+Count = click.IntRange(min=0)  # click reports a value outside the range in one line, with the option's name
+Positive = click.IntRange(min=1)
+
 LICENSES = Path("/usr/share/common-licenses")
 
 
@@ -178,7 +181,7 @@ def eval_group() -> None:
 @eval_group.command("ppl")
 @click.argument("model", required=False, envvar="AHAKV_MODEL")
 @click.option("--text", "text_file", default=str(LICENSES / "GPL-3"), show_default=True, help="Text to stream.")
-@click.option("--tokens", default=1024, show_default=True, help="Tokens of the text to use.")
+@click.option("--tokens", type=Positive, default=1024, show_default=True, help="Tokens of the text to use.")
 @click.option(
     "--prefix",
     type=click.IntRange(min=1),
@@ -198,8 +201,8 @@ def eval_group() -> None:
 @click.option("--step", default=1, show_default=True, help="Tokens per decode after the prefix (1: token by token).")
 @click.option("--evict-every", type=int, default=None, help="Token by token: steps between evictions (default 32).")
 @click.option("--observe-steps", default=1, show_default=True, help="Token by token: observed steps (0: all).")
-@click.option("--sinks", default=4, show_default=True)
-@click.option("--recent", default=32, show_default=True)
+@click.option("--sinks", type=Count, default=4, show_default=True)
+@click.option("--recent", type=Count, default=32, show_default=True)
 @click.option(
     "--kv-type",
     type=click.Choice(KV_CACHE_TYPES),
@@ -289,8 +292,8 @@ def eval_ppl(
 @click.option("--policies", default="all", show_default=True, help="Comma-separated policy names, or all.")
 @click.option("--trials", type=click.IntRange(min=1), default=1, show_default=True, help="Keys per length and depth.")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--sinks", default=4, show_default=True)
-@click.option("--recent", default=32, show_default=True)
+@click.option("--sinks", type=Count, default=4, show_default=True)
+@click.option("--recent", type=Count, default=32, show_default=True)
 @click.option("--out", "out_dir", default="needle-out", show_default=True, help="Folder for the outputs.")
 @rpc_option
 @threads_option
@@ -350,11 +353,11 @@ def eval_needle(
     show_default=True,
     help="How the prompt is read: plain, query (guided by the question), reconstruct or surprisal (question-agnostic).",
 )
-@click.option("--trials", default=1, show_default=True, help="Items per task, length and depth.")
+@click.option("--trials", type=Positive, default=1, show_default=True, help="Items per task, length and depth.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--filler", "filler_files", multiple=True, help="Filler text (default: GPL-3, then other licenses).")
-@click.option("--sinks", default=4, show_default=True)
-@click.option("--recent", default=32, show_default=True)
+@click.option("--sinks", type=Count, default=4, show_default=True)
+@click.option("--recent", type=Count, default=32, show_default=True)
 @click.option(
     "--layer-budgets",
     default="shared",

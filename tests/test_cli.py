@@ -301,6 +301,12 @@ def test_bad_option_values_are_one_line(fixture_model):
         (["serve", "", "--port", "99999"], r"error: Invalid value for '--port': 99999 is not in the range 1<=x", 2),
         (["eval", "needle", "--trials", "0"], r"error: Invalid value for '--trials': 0 is not in the range x>=1", 2),
         (["eval", "ppl", "--prefix", "-1"], r"error: Invalid value for '--prefix': -1 is not in the range x>=1", 2),
+        # each of these ran for minutes first (--tokens -5 read the whole text but 5 tokens, a full-cache pass)
+        (["eval", "ppl", "--tokens", "-5"], r"error: Invalid value for '--tokens': -5 is not in the range x>=1", 2),
+        (["eval", "ppl", "--sinks", "-1"], r"error: Invalid value for '--sinks': -1 is not in the range x>=0", 2),
+        (["eval", "needle", "--recent", "-2"], r"error: Invalid value for '--recent': -2 is not in the range x>=0", 2),
+        (["eval", "longdoc", "--sinks", "-1"], r"error: Invalid value for '--sinks': -1 is not in the range x>=0", 2),
+        (["eval", "longdoc", "--trials", "0"], r"error: Invalid value for '--trials': 0 is not in the range x>=1", 2),
         (
             ["generate", "", "-p", "x", "--temp", "-1"],
             r"error: Invalid value for '--temp': -1.0 is not in the range",
