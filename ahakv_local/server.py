@@ -16,8 +16,10 @@ reports every sequence. The generation stops at the next token when the client
 leaves, streamed or not, and when the server is told to stop. ``max_tokens`` 0, null or above
 ``max_tokens_limit`` (``--max-tokens-limit``) generates at most that limit. Every error is an
 OpenAI-shaped JSON body: 400 for a bad request, 503 when busy, 500 only for a bug. An OpenAI field that asks for
-something this server does not do (``NOT_SUPPORTED``: several choices, log probabilities, tools, a JSON format...) is
-a 400 naming it, not ignored: the client would take the answer for what it asked.
+something this server does not do (``NOT_SUPPORTED``: several choices, log probabilities, tools, a completion's JSON
+format...) is a 400 naming it, not ignored: the client would take the answer for what it asked. A chat's
+``response_format`` JSON (of a schema) is sampled under llama-cpp-python's grammar (``ResponseFormat``; not with
+``--parallel``).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ NOT_SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "functions": (lambda v: not v, "no function calls"),
     "tool_choice": (lambda v: v in (None, "none", "auto"), "no tool calls"),
     "function_call": (lambda v: v in (None, "none", "auto"), "no function calls"),
+    # a completion's (a chat's is a field: ChatRequest.response_format)
     "response_format": (lambda v: v is None or v == {"type": "text"}, "plain text, not a JSON format"),
 }
 
@@ -141,8 +144,41 @@ class Message(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    schema_: dict = Field(alias="schema")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format`` of a chat: text, a JSON object, or a JSON object of a ``json_schema``
+    (llama-cpp-python's ``json_object`` with a ``schema`` is taken too). The serial server samples JSON under
+    llama-cpp-python's grammar for it, so every token keeps the answer a prefix of such JSON (an answer cut by
+    ``max_tokens`` is cut JSON)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+    schema_: dict | None = Field(None, alias="schema")
+
+    @model_validator(mode="after")
+    def _has_its_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('response_format of type json_schema needs "json_schema": {"name": ..., "schema": {...}}')
+        return self
+
+    @property
+    def llama_format(self) -> dict | None:
+        """llama-cpp-python's ``response_format`` for it (None: plain text)."""
+        if self.type == "text":
+            return None
+        schema = self.json_schema.schema_ if self.json_schema is not None else self.schema_
+        return {"type": "json_object"} | ({"schema": schema} if schema is not None else {})
+
+
 class ChatRequest(KVFields):
     messages: list[Message] = Field(min_length=1)
+    response_format: ResponseFormat | None = None
 
 
 def error_body(status: int, message: str) -> dict:
@@ -356,7 +392,10 @@ class SerialRunner:
             self.llm.reset()
 
     def sampling(self, req: KVFields) -> dict:
-        return sampling_of(req, self.max_tokens_limit)
+        kw = sampling_of(req, self.max_tokens_limit)
+        if isinstance(req, ChatRequest) and req.response_format is not None and req.response_format.llama_format:
+            kw["response_format"] = req.response_format.llama_format
+        return kw
 
     @contextlib.contextmanager
     def settings(self, req: KVFields):
@@ -460,6 +499,11 @@ class ParallelRunner:
             return
         req = job.req
         try:
+            if isinstance(req, ChatRequest) and req.response_format is not None and req.response_format.llama_format:
+                raise AhakvError(
+                    f"response_format {req.response_format.type} is not supported with --parallel: its sampler has no "
+                    "grammar (the one-at-a-time server has)"
+                )
             kw = sampling_of(req, self.max_tokens_limit)
             stop = kw.get("stop") or []
             tokens, chat_stop, read_with = prompt_of(

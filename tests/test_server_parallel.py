@@ -238,6 +238,10 @@ def test_eight_concurrent_requests_each_in_its_own_sequence(fixture_model, licen
         assert status == 400 and "up to the server's 96" in body["error"]["message"]
         status, body = call(base, "/v1/chat/completions", {**chat_body(0, license_text), "kv_policy": "nope"})
         assert status == 400
+        # JSON needs llama-cpp-python's grammar sampler: refused here, never answered as plain text
+        asking_json = {**chat_body(0, license_text), "response_format": {"type": "json_object"}}
+        status, body = call(base, "/v1/chat/completions", asking_json)
+        assert status == 400 and "not supported with --parallel" in body["error"]["message"]
         # streamed: the same text in pieces
         req = urllib.request.Request(
             base + "/v1/chat/completions",
