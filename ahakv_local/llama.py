@@ -73,6 +73,17 @@ def available_memory() -> int | None:
     return None
 
 
+def llama_response_format(response_format: dict) -> dict:
+    """OpenAI's ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` as llama-cpp-python's
+    ``{"type": "json_object", "schema": {...}}``, whose grammar it samples under; any other format as it is."""
+    if response_format.get("type") != "json_schema":
+        return response_format
+    schema = (response_format.get("json_schema") or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise ValueError('response_format of type json_schema needs "json_schema": {"name": ..., "schema": {...}}')
+    return {"type": "json_object", "schema": schema}
+
+
 def check_cells(model_path: str, cells: int, budget: Budget | None) -> None:
     """Refuse a budget the model can never use, or cells the machine cannot hold, before llama.cpp allocates.
     Without a budget this is llama_cpp.Llama, which loads architectures we do not evict from: unknown
@@ -305,7 +316,11 @@ class Llama(llama_cpp.Llama):
         return super().create_completion(prompt, *args, **kwargs)
 
     def create_chat_completion(self, messages, *args, kv_query: bool | str | None = None, **kwargs):
-        """llama-cpp-python's; a long conversation is read guided by its last user message by default."""
+        """llama-cpp-python's; a long conversation is read guided by its last user message by default. OpenAI's
+        ``response_format`` of type ``json_schema``, which llama-cpp-python 0.3.36 ignores (the answer came as prose),
+        is sampled as its ``json_object`` with that schema."""
+        if kwargs.get("response_format"):
+            kwargs["response_format"] = llama_response_format(kwargs["response_format"])
         if kv_query is None:
             kv_query = self._kv_query_default
         if kv_query is True:  # the question is the last user message, not the template's last paragraph

@@ -153,8 +153,8 @@ class JsonSchema(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's ``response_format`` of a chat: text, a JSON object, or a JSON object of a ``json_schema``
     (llama-cpp-python's ``json_object`` with a ``schema`` is taken too). The serial server samples JSON under
-    llama-cpp-python's grammar for it, so every token keeps the answer a prefix of such JSON (an answer cut by
-    ``max_tokens`` is cut JSON)."""
+    llama-cpp-python's grammar for it (``llama.llama_response_format``), so every token keeps the answer a prefix of
+    such JSON (an answer cut by ``max_tokens`` is cut JSON)."""
 
     model_config = ConfigDict(populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
@@ -168,12 +168,8 @@ class ResponseFormat(BaseModel):
         return self
 
     @property
-    def llama_format(self) -> dict | None:
-        """llama-cpp-python's ``response_format`` for it (None: plain text)."""
-        if self.type == "text":
-            return None
-        schema = self.json_schema.schema_ if self.json_schema is not None else self.schema_
-        return {"type": "json_object"} | ({"schema": schema} if schema is not None else {})
+    def asks_json(self) -> bool:
+        return self.type != "text"
 
 
 class ChatRequest(KVFields):
@@ -393,8 +389,8 @@ class SerialRunner:
 
     def sampling(self, req: KVFields) -> dict:
         kw = sampling_of(req, self.max_tokens_limit)
-        if isinstance(req, ChatRequest) and req.response_format is not None and req.response_format.llama_format:
-            kw["response_format"] = req.response_format.llama_format
+        if isinstance(req, ChatRequest) and req.response_format is not None and req.response_format.asks_json:
+            kw["response_format"] = req.response_format.model_dump(by_alias=True, exclude_none=True)  # (the drop-in's)
         return kw
 
     @contextlib.contextmanager
@@ -499,7 +495,7 @@ class ParallelRunner:
             return
         req = job.req
         try:
-            if isinstance(req, ChatRequest) and req.response_format is not None and req.response_format.llama_format:
+            if isinstance(req, ChatRequest) and req.response_format is not None and req.response_format.asks_json:
                 raise AhakvError(
                     f"response_format {req.response_format.type} is not supported with --parallel: its sampler has no "
                     "grammar (the one-at-a-time server has)"

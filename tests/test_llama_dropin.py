@@ -197,6 +197,23 @@ def test_a_completion_that_fills_the_context_ends_as_length(fixture_model, strea
         assert llm.kv_stats().sampled_tokens == 256 - 102 + 1
 
 
+def test_openais_json_schema_format_is_sampled_as_json_of_the_schema(gemma_model):
+    """llama-cpp-python 0.3.36 reads ``response_format`` of type json_object only: OpenAI's json_schema was ignored and
+    the answer came in prose. The drop-in samples it as json_object of that schema (its grammar)."""
+    import json
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "year": {"type": "integer"}}}
+    schema["required"] = ["city", "year"]
+    messages = [{"role": "user", "content": "Where and when was the GNU GPL first published? Answer in JSON."}]
+    with Llama(str(gemma_model), kv_budget=256, verbose=False) as llm:
+        fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}
+        out = llm.create_chat_completion(messages, max_tokens=60, temperature=0, response_format=fmt)
+        answer = json.loads(out["choices"][0]["message"]["content"])
+        assert isinstance(answer["city"], str) and isinstance(answer["year"], int)
+        with pytest.raises(ValueError, match="needs"):  # no schema to sample under
+            llm.create_chat_completion(messages, max_tokens=2, response_format={"type": "json_schema"})
+
+
 def test_a_prompt_past_the_trained_context_names_it(fixture_model):
     with Llama(str(fixture_model), kv_budget=64, n_batch=64, verbose=False) as llm:  # trained context 4,096
         with pytest.raises(ValueError, match="trained context of 4096 positions"):
