@@ -99,7 +99,9 @@ class ControllerStats:
     # cells_used, budget and evicted count the first group, or the mean of the full-attention layers of a per-layer
     # layout (``KVController._count``); each group's own are ``LayerGroup.live``, ``decided`` and ``evicted``
     cells_used: int = 0
-    budget: int | None = None  # the current target in cells (auto: the last decision)
+    # the current target in cells, or where that is more what is never evicted and the steps until the next eviction
+    # (cells and ratios: the cells used never exceed it); auto: what the last decision kept
+    budget: int | None = None
     tokens_seen: int = 0
     evicted: int = 0  # positions evicted (tokens_seen = cells_used + evicted until a rewind)
     evictions: int = 0  # native eviction calls
@@ -830,9 +832,13 @@ class KVController:
             k = self._auto_count(g, obs, order)
             g.decided = n - k
         else:
-            g.decided = budget.target(obs.n_seen)
-            keep = max(1, g.decided - (self.config.evict_every - 1))  # room for the steps to come
+            target = budget.target(obs.n_seen)
+            keep = max(1, target - (self.config.evict_every - 1))  # room for the steps to come
             k = min(max(0, n - keep), order.size)
+            # what it may hold until the next eviction: the target, or where they are more the positions it may not
+            # evict and the steps to come (a ratio of a short conversation under the sinks, the system prompt and the
+            # recent ones, as check_floor refuses a cell budget): chat showed "cache 52/24 cells"
+            g.decided = max(target, n - candidates.size + self.config.evict_every - 1)
         k = max(k, int(np.count_nonzero(gone)))
         if k == 0:
             return 0

@@ -213,6 +213,22 @@ def test_a_ratio_or_auto_budget_set_in_a_chat_stays_inside_its_cache(budget, sli
         s.llm.close()
 
 
+def test_a_ratio_under_what_is_never_evicted_reports_what_the_cache_holds(chat):
+    """``/budget 10%`` early in a chat: 10% of the tokens seen is less than the sinks, the system prompt and the recent
+    tokens, which are never evicted, and the steps until the next eviction. The stats line showed "cache 52/7 cells",
+    a budget the cache could not keep; its budget is now what the cache holds at most, never below the cells used."""
+    cfg = chat.llm.kv_controller.config
+    assert cfg.pinned[0] == 0 and cfg.pinned[1] > cfg.n_sink  # the system prompt, the sinks inside it
+    # never evicted: the system prompt and the recent tokens (the newest among them); then the steps to come
+    holds = cfg.pinned[1] + cfg.n_recent + cfg.evict_every - 1
+    chat.set_budget("10%")
+    for _ in range(4):
+        talk(chat, "tell me about the weather")
+        s = chat.llm.kv_stats()
+        assert 0.1 * s.tokens_seen < holds  # (still a short conversation)
+        assert s.evicted > 0 and s.cells_used <= s.budget == holds
+
+
 @pytest.mark.parametrize("sliding", [False, True], ids=["one cache", "adaptive layers"])
 def test_a_byte_budget_set_in_a_chat_gives_the_caches_its_bytes(sliding, tmp_path):
     """``/budget 8MiB`` answered "budget: 8 MiB" and kept the caches allocated at the start (13.8 MiB for the default
