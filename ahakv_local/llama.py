@@ -398,7 +398,8 @@ class Llama(llama_cpp.Llama):
             if self.n_tokens + 1 + len(sent or ()) > self.n_ctx():  # the token, and what was sent back with it
                 tokens.close()
                 self._context_full = True
-                yield self.token_eos()
+                if self.token_eos() >= 0:  # (a vocabulary without one: the completion just ends)
+                    yield self.token_eos()
                 return
 
     def _needs_rewind(self, tokens: Sequence[int]) -> bool:
@@ -408,8 +409,9 @@ class Llama(llama_cpp.Llama):
 
     def _create_completion(self, *args, **kwargs):
         self._context_full = False
+        completion = super()._create_completion(*args, **kwargs)
         try:
-            for out in super()._create_completion(*args, **kwargs):
+            for out in completion:
                 if self._context_full and out["choices"][0]["finish_reason"] == "stop":
                     out["choices"][0]["finish_reason"] = "length"  # the context ended it (``_counted``)
                 yield out
@@ -423,6 +425,7 @@ class Llama(llama_cpp.Llama):
                 ) from None
             raise
         finally:
+            completion.close()  # now, as ``yield from`` did: a stream closed early stops upstream's generator too
             self._kv_guide = None  # the request's question guides its own prompt only
 
     def reset(self):
