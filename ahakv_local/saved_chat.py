@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import upstream
-from .budget import Budget, as_option
+from .budget import LAYER_BUDGETS, Budget, as_option
 from .errors import AhakvError
 
 FORMAT = "ahakv-local chat"
@@ -96,18 +96,21 @@ def load_chat(path: Path, llm) -> tuple[list[dict], str | None]:
 
 
 def _how_to_load(meta: dict, kv) -> str:
-    """What lays the caches out as a saved chat's were: its budget and layout (older files name neither)."""
-    budget, layout = meta.get("budget"), meta.get("layer_budgets")
-    if not isinstance(budget, str) or (budget, layout) == (as_option(kv.config.budget), kv.config.layer_budgets):
+    """What lays the caches out as a saved chat's were: its budget and layout (older files name neither). Only what
+    parses as a budget and names a layout is repeated: a crafted file's text never reaches the error line."""
+    try:
+        saved = Budget.parse(meta.get("budget"))
+    except (AhakvError, TypeError, ValueError):
+        return ""
+    budget = as_option(saved)
+    layout = meta.get("layer_budgets") if meta.get("layer_budgets") in LAYER_BUDGETS else kv.config.layer_budgets
+    if (budget, layout) == (as_option(kv.config.budget), kv.config.layer_budgets):
         return ""  # (laid out as here, and still not these caches: nothing to suggest)
     opened = f"open the chat with --budget {budget}"
-    if isinstance(layout, str) and layout != kv.config.layer_budgets:
+    if layout != kv.config.layer_budgets:
         return f": {opened} --layer-budgets {layout}"
-    try:
-        resizes = Budget.parse(budget).mode == "bytes"  # chat's /budget re-sizes the caches for bytes only
-    except AhakvError:
-        return ""
-    return f": /budget {budget} first, or {opened}" if resizes else f": {opened}"
+    # chat's /budget re-sizes the caches for bytes only
+    return f": /budget {budget} first, or {opened}" if saved.mode == "bytes" else f": {opened}"
 
 
 def _read(path: Path) -> tuple[dict, bytes]:

@@ -127,9 +127,22 @@ def test_foreign_and_damaged_files_change_nothing(chat, tmp_path):
         "saved in KV caches of other sizes": lambda m, b: ({**m, "cache_cells": [n + 1 for n in m["cache_cells"]]}, b),
     }
     for message, edit in cases.items():
-        with pytest.raises(AhakvError, match=message):
+        with pytest.raises(AhakvError, match=message) as refused:
             command(chat, "/load", tampered(message.replace(" ", "_"), edit))
-        assert chat.messages == before
+        assert "\n" not in str(refused.value) and chat.messages == before
+    # the sizes' hint repeats only a budget and a layout that parse: a crafted file's text never reaches the line
+    crafted = {"budget": "8MiB\nINJECTED", "layer_budgets": "adaptive\nINJECTED"}
+    for key, value in crafted.items():
+        odd = tampered(key, lambda m, b: ({**m, "cache_cells": [n + 1 for n in m["cache_cells"]], key: value}, b))  # noqa: B023
+        with pytest.raises(AhakvError, match="saved in KV caches of other sizes") as refused:
+            command(chat, "/load", odd)
+        assert "INJECTED" not in str(refused.value) and "\n" not in str(refused.value)
+    saved_in_bytes = tampered(
+        "bytes", lambda m, b: ({**m, "cache_cells": [n + 1 for n in m["cache_cells"]], "budget": "8MiB"}, b)
+    )
+    with pytest.raises(AhakvError, match=r"other sizes \(\d+-\d+ cells\): /budget 8MiB first, or open the chat with"):
+        command(chat, "/load", saved_in_bytes)
+    assert chat.messages == before
     garbage = tmp_path / "garbage.chat"
     garbage.write_bytes(os.urandom(300))
     with pytest.raises(AhakvError, match="not a saved ahakv-local chat"):
