@@ -370,13 +370,12 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
     except ValueError as exc:  # llama-cpp-python's request errors: the prompt does not fit the context
         raise AhakvError(str(exc)) from None
     click.echo()
-    made = llm.kv_stats().sampled_tokens
-    if finish == "length" and made < n_predict:  # llama-cpp-python cuts max_tokens to the context, silently
+    s = llm.kv_stats()
+    if finish == "length" and s.sampled_tokens < n_predict:  # llama-cpp-python cuts max_tokens to the context, silently
         bounded = "" if llm.kv_controller else ": raise -c, or give a --budget to keep the cache bounded"
-        click.echo(f"stopped after {made} of {n_predict} tokens: the context holds {llm.n_ctx()} positions{bounded}",
-                   err=True)  # fmt: skip
+        click.echo(f"stopped after {s.sampled_tokens} of {n_predict} tokens: the context holds {llm.n_ctx()} positions"
+                   f"{bounded}", err=True)  # fmt: skip
     if stats:
-        s = llm.kv_stats()
         budget = s.budget if s.budget is not None else "-"
         click.echo(
             f"prompt {s.prompt_tokens} tok at {s.prompt_tps:.1f} t/s"

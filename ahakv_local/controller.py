@@ -225,7 +225,8 @@ class KVController:
         )
 
     def _sizes(self) -> tuple[int, ...]:
-        """The cells of each cache as the next decode will have them (an adaptive decision may be pending)."""
+        """The cells of each cache as the next decode will have them (an adaptive decision, or a byte budget's layout
+        ``set_budget`` is checking, may be pending)."""
         if self._resize_to is None:
             return self.engine.cache_sizes()
         return tuple(self._resize_to[c] for c in self.engine.caches)  # (a decision names every cache the config has)

@@ -367,7 +367,7 @@ class Llama(llama_cpp.Llama):
             self.n_tokens = 0
             self._requires_eval = True
         self._usage = [len(tokens), 0]
-        return self._counted(super().generate(tokens, *args, **kwargs))
+        return self._counted(super().generate(tokens, *args, **kwargs), llama_cpp.llama_model_get_vocab(self.model))
 
     @property
     def last_usage(self) -> dict[str, int]:
@@ -377,7 +377,7 @@ class Llama(llama_cpp.Llama):
         prompt, completion = self._usage
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def _counted(self, tokens):
+    def _counted(self, tokens, vocab):
         """Pass the sampled tokens (and anything sent back) through, counting them: a completion's
         stream has one chunk per piece of text, not per token (empty and held-back pieces).
 
@@ -392,7 +392,7 @@ class Llama(llama_cpp.Llama):
             except StopIteration:
                 return
             self._timing["sampled"] += 1
-            if not llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(self.model), token):  # ends before it
+            if not llama_cpp.llama_vocab_is_eog(vocab, token):  # the completion ends before it
                 self._usage[1] += 1
             sent = yield token
             if self.n_tokens + 1 + len(sent or ()) > self.n_ctx():  # the token, and what was sent back with it

@@ -44,7 +44,7 @@ from starlette.exceptions import HTTPException
 
 from .budget import Budget
 from .errors import AhakvError
-from .llama import Llama, Stopped
+from .llama import Llama, Stopped, llama_response_format
 from .parallel import Generation, Sampling, SequencePool, prompt_of
 from .policies import make_policy
 
@@ -112,6 +112,11 @@ class KVFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def response_json(self) -> dict | None:
+        """The JSON ``response_format`` the drop-in samples under (a chat's; None: plain text)."""
+        return None
+
 
 class CompletionRequest(KVFields):
     prompt: str = ""
@@ -163,18 +168,21 @@ class ResponseFormat(BaseModel):
 
     @model_validator(mode="after")
     def _has_its_schema(self):
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError('response_format of type json_schema needs "json_schema": {"name": ..., "schema": {...}}')
+        llama_response_format(self.as_dict())  # refused here, before the request waits for the model
         return self
 
-    @property
-    def asks_json(self) -> bool:
-        return self.type != "text"
+    def as_dict(self) -> dict:
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class ChatRequest(KVFields):
     messages: list[Message] = Field(min_length=1)
     response_format: ResponseFormat | None = None
+
+    @property
+    def response_json(self) -> dict | None:
+        fmt = self.response_format
+        return fmt.as_dict() if fmt is not None and fmt.type != "text" else None
 
 
 def error_body(status: int, message: str) -> dict:
@@ -389,8 +397,8 @@ class SerialRunner:
 
     def sampling(self, req: KVFields) -> dict:
         kw = sampling_of(req, self.max_tokens_limit)
-        if isinstance(req, ChatRequest) and req.response_format is not None and req.response_format.asks_json:
-            kw["response_format"] = req.response_format.model_dump(by_alias=True, exclude_none=True)  # (the drop-in's)
+        if req.response_json is not None:
+            kw["response_format"] = req.response_json  # (the drop-in translates OpenAI's json_schema)
         return kw
 
     @contextlib.contextmanager
@@ -495,7 +503,7 @@ class ParallelRunner:
             return
         req = job.req
         try:
-            if isinstance(req, ChatRequest) and req.response_format is not None and req.response_format.asks_json:
+            if req.response_json is not None:
                 raise AhakvError(
                     f"response_format {req.response_format.type} is not supported with --parallel: its sampler has no "
                     "grammar (the one-at-a-time server has)"
