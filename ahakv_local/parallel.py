@@ -114,7 +114,8 @@ class SequencePool:
 
     def start(self, gen: Generation) -> int:
         """Read ``gen``'s prompt into a free slot (from a fresh policy) and pick its first token; returns the
-        slot. A request's mistake raises AhakvError or ValueError with the slot left empty."""
+        slot. A request's mistake raises AhakvError or ValueError with the slot left empty; a generation stopped
+        while its prompt is read ends "cancelled" before its next chunk."""
         seq = self.free()[0]
         ctl = self.controllers[seq]
         budget, policy = self.check(gen.budget, gen.policy)
@@ -131,6 +132,9 @@ class SequencePool:
         self.served[seq] += 1
         try:
             for chunk, ends_prompt in ctl.prompt_pieces(gen.prompt, gen.guide, self.engine.config.n_batch):
+                if gen.stopped():  # the client left, or the server stops: the other slots wait while a prompt is read
+                    self._finish(seq, "", "cancelled")
+                    return seq
                 logits = ctl.read_piece(chunk, gen.guide, ends_prompt)
         except BaseException:
             self._drop(seq)

@@ -80,12 +80,16 @@ class StreamOptions(BaseModel):
 
 class KVFields(BaseModel):
     # other OpenAI fields (user, metadata, ...) change nothing in the answer: accepted and ignored; NaN and
-    # infinities (Python's JSON reader takes them) are refused
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # infinities (Python's JSON reader takes them) are refused, and so is a value of another JSON type ("stream": "yes",
+    # "max_tokens": "5"), as OpenAI refuses it; a whole number is a number
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(256, ge=0)  # 0 or null: up to the server's limit
+    # OpenAI's newer name for max_tokens (its clients send only this one now): the same, and refused with another
+    # max_tokens
+    max_completion_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(0.8, ge=0, le=2)  # OpenAI's ranges
     top_p: float = Field(0.95, ge=0, le=1)
     stop: str | list[str] | None = None
@@ -98,6 +102,16 @@ class KVFields(BaseModel):
     # completion: the prompt's last paragraph), false (plainly), "reconstruct" or "surprisal" (no question);
     # null: the server's default
     kv_query: bool | str | None = None
+
+    @model_validator(mode="after")
+    def _one_length(self):
+        if "max_completion_tokens" in self.model_fields_set:
+            if "max_tokens" in self.model_fields_set and self.max_tokens != self.max_completion_tokens:
+                raise ValueError(
+                    f"max_tokens={self.max_tokens} and max_completion_tokens={self.max_completion_tokens}: give one"
+                )
+            self.max_tokens = self.max_completion_tokens
+        return self
 
     @model_validator(mode="after")
     def _refuse_what_is_not_done(self):
@@ -303,8 +317,9 @@ def sampling_of(req: KVFields, limit: int) -> dict:
 class SerialRunner:
     """The model, its lock and the server's settings; runs Jobs one at a time."""
 
-    def __init__(self, llm: Llama, max_tokens_limit: int, busy_timeout: float, max_waiting: int):
-        self.llm, self.max_tokens_limit, self.busy_timeout = llm, max_tokens_limit, busy_timeout
+    def __init__(self, llm: Llama, model_name: str, max_tokens_limit: int, busy_timeout: float, max_waiting: int):
+        self.llm, self.model_name = llm, model_name
+        self.max_tokens_limit, self.busy_timeout = max_tokens_limit, busy_timeout
         self.lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(max_waiting + 1)  # the running job and those waiting for it
         self.shutdown = threading.Event()
@@ -397,6 +412,7 @@ class SerialRunner:
 
     def sampling(self, req: KVFields) -> dict:
         kw = sampling_of(req, self.max_tokens_limit)
+        kw["model"] = self.model_name  # what /v1/models lists (llama-cpp-python would answer with the GGUF's path)
         if req.response_json is not None:
             kw["response_format"] = req.response_json  # (the drop-in translates OpenAI's json_schema)
         return kw
@@ -619,7 +635,7 @@ def create_app(
     if isinstance(llm, SequencePool):
         runner = ParallelRunner(llm, model_name, max_tokens_limit, busy_timeout, max_waiting, default_query)
     else:
-        runner = SerialRunner(llm, max_tokens_limit, busy_timeout, max_waiting)
+        runner = SerialRunner(llm, model_name, max_tokens_limit, busy_timeout, max_waiting)
     app.state.shutdown = runner.shutdown
 
     @app.exception_handler(RequestValidationError)

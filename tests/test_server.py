@@ -139,10 +139,32 @@ def test_completion_and_stream(client):
     )
     text = out.choices[0].text
     assert text and out.usage.completion_tokens <= 12
-    pieces = client.completions.create(
-        model="local", prompt="The GNU General Public License", max_tokens=12, temperature=0, stream=True
+    pieces = list(
+        client.completions.create(
+            model="local", prompt="The GNU General Public License", max_tokens=12, temperature=0, stream=True
+        )
     )
     assert "".join(p.choices[0].text for p in pieces) == text
+    # every answer names the model as /v1/models lists it (the one-at-a-time server answered with the GGUF's path,
+    # --parallel with this name)
+    assert {out.model} | {p.model for p in pieces} == {client.models.list().data[0].id}
+
+
+# -- OpenAI's newer name for max_tokens was accepted and ignored (256 tokens for max_completion_tokens=2)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_max_completion_tokens_bounds_the_answer(server, route):
+    def answer(**length) -> tuple[int, dict]:
+        asked = {"messages": [{"role": "user", "content": REPEAT}]} if "chat" in route else {"prompt": REPEAT}
+        return call(server, route, {**asked, "temperature": 0, **length})
+
+    status, out = answer(max_completion_tokens=3)
+    assert status == 200, out
+    assert out["usage"]["completion_tokens"] == 3 and out["choices"][0]["finish_reason"] == "length"
+    assert answer(max_tokens=3, max_completion_tokens=3)[1]["usage"] == out["usage"]
+    status, out = answer(max_tokens=3, max_completion_tokens=1)
+    assert status == 400 and "max_tokens=3 and max_completion_tokens=1" in out["error"]["message"]
 
 
 @pytest.mark.parametrize("route", ["completion", "chat"])
@@ -296,6 +318,10 @@ def test_bad_requests_are_openai_errors(server):
         ({"prompt": "x", "temperature": float("nan")}, "temperature"),
         (b'{"prompt": ', "not valid JSON"),
         (b"[1, 2]", "dictionary"),
+        # a value of another JSON type was taken as what it might mean (a stream for "yes", 5 tokens for "5")
+        ({"prompt": "x", "stream": "yes"}, "stream: Input should be a valid boolean"),
+        ({"prompt": "x", "max_tokens": "5"}, "max_tokens: Input should be a valid integer"),
+        ({"prompt": "x", "temperature": "0"}, "temperature: Input should be a valid number"),
     ]
     for body, words in cases:
         status, answer = call(server, "/v1/completions", body)
