@@ -319,6 +319,10 @@ def allocate(
     sliding = min(
         max(chunk, cells_for(held if held.mode == "cells" else Budget("cells", window), chunk, longest, room)), base
     )
+    if held.mode == "cells" and held.value + extra > sliding:
+        # an auto budget on caches of fewer cells than the window needs (a context of 512 positions): as above,
+        # the sliding group holds what its cache has room for
+        held = Budget("cells", max(1, sliding - extra))
     return Allocation(layer_budgets, (budget, held), (base, sliding))
 
 

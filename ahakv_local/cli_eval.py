@@ -129,10 +129,10 @@ def _model(model: str | None) -> Path:
 def _policies(policies: str) -> list[str]:
     from .policies import POLICIES, make_policy
 
-    names = [p for p in POLICIES if p != "full"] if policies == "all" else policies.split(",")
+    names = [p for p in POLICIES if p != "full"] if policies == "all" else [p.strip() for p in policies.split(",")]
     for name in names:
         make_policy(name)  # a clear error for an unknown name, before any model is loaded
-    return names
+    return list(dict.fromkeys(names))  # each once: a policy named twice ran twice into one row
 
 
 def _layer_budgets(layouts: str) -> tuple[str, ...]:
@@ -226,7 +226,7 @@ def eval_ppl(
 ) -> None:  # fmt: skip
     """Streaming perplexity, KL from the full cache and top-1 agreement per policy and budget; for a model with a
     sliding-window cache also llama.cpp's own baseline, every position kept in a trimmed sliding cache."""
-    from .evaluation import TRIMMED, evaluate, text_tokens
+    from .evaluation import TRIMMED, check_floors, evaluate, text_tokens
     from .info import read_info
     from .policies.ahakv import ABLATIONS
     from .report import write_ppl_report
@@ -251,7 +251,7 @@ def eval_ppl(
     schedule = dict(
         n_sink=sinks, n_recent=recent, evict_every=evict_every, observe_steps=observe_steps, kv_type=kv_type
     )
-    floor = sinks + recent + 1
+    floor = sinks + recent + (step if step > 1 else evict_every or 1)  # a fraction of a short text: at least this
     cells = _cells(budgets, len(ids), floor)
     ablated = cells if ablations else _cells(ablations_at, len(ids), floor) if ablations_at else []
     # named specs: llama.cpp's trimmed full cache, every policy at every budget in every layout, then AhaKV without
@@ -268,6 +268,7 @@ def eval_ppl(
             for label, p, kw in runs
             for lay in layouts
         ]  # fmt: skip
+    check_floors(path, len(ids), configs, step=step)  # (evaluate does too: here before the bar starts)
     with _bar("eval ppl", len(ids) * (len(configs) + 1)) as bar:  # the full cache, then each alone
         results = evaluate(
             path,
@@ -524,26 +525,36 @@ def bench_speed(
     sliding-window cache trimmed (swa_full off, as llama-server) and each policy at the same live cells; a long
     run to the trained context, full cache vs budget; KV memory of each, also at --memory-context tokens."""
     from .bench import BATCH, SpeedSetup, engine_speed_at_budget, long_run, memory_at, speed_at_budget
-    from .budget import Budget, parse_schedule
+    from .budget import parse_schedule
     from .evaluation import text_tokens
     from .info import read_info
+    from .llama import product_layout
     from .report import write_speed_report
+    from .session import SessionSpec
 
     out = _out(out_dir)
     path = _model(model)
     names = _policies(policies)
     layouts = _layer_budgets(layer_budgets)
-    if long_budget is not None:
-        Budget.parse(long_budget)  # a bad one fails now, not after the speed runs
     try:
         long_points = [int(c) for c in long_context.split(",") if c.strip()]
     except ValueError:
         raise AhakvError(f"--long-context takes token counts, comma-separated, not {long_context!r}") from None
     if any(c < 1 for c in long_points):
         raise AhakvError(f"--long-context checkpoints must be at least 1 token, not {long_context!r}")
+    evict_every, observe = parse_schedule(evict_every, observe_steps)
+    if long_points:  # the long run's policy and budget fail now, not after the speed runs
+        trained = read_info(path).n_ctx_train
+        long_spec = SessionSpec.bounded(
+            long_policy,
+            long_budget or budget,
+            evict_every=evict_every,
+            observe_steps=observe,
+            layer_budgets=product_layout(path, n_gpu_layers),  # the drop-in's, which the long run opens
+        )
+        long_spec.check_floor_on(path, BATCH, trained)
     files = list(text_files) or sorted(str(p) for p in LICENSES.iterdir() if not p.is_symlink())
     ids = text_tokens(path, "\n".join(_read(f) for f in files))
-    evict_every, observe = parse_schedule(evict_every, observe_steps)
     setup = SpeedSetup(
         budget,
         tuple(names),

@@ -29,7 +29,17 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .adaptive import LayerShares
-from .budget import PER_LAYER, QUERY_TOKENS, Allocation, Budget, LayerBudgets, allocate, cells_for, holding_of
+from .budget import (
+    PER_LAYER,
+    QUERY_TOKENS,
+    Allocation,
+    Budget,
+    CacheLayout,
+    LayerBudgets,
+    allocate,
+    cells_for,
+    holding_of,
+)
 from .engine import Engine, decode_batch
 from .errors import AhakvError
 from .groups import LayerGroup, make_groups
@@ -111,6 +121,28 @@ class ControllerStats:
     @property
     def retention(self) -> float:
         return self.cells_used / self.tokens_seen if self.tokens_seen else 1.0
+
+
+def check_floor(cfg: ControllerConfig, layout: CacheLayout, allocation: Allocation, budget: Budget) -> None:
+    """Refuse a budget whose ``allocation`` leaves a group too few cells for the protected positions (sinks, a pinned
+    span such as chat's system prompt, the recent ones) and the steps between evictions (a sliding group: for those
+    inside its window). A controller checks its own (``KVController.check_floor``), a spec one before any engine
+    opens (``SessionSpec.check_floor_on``)."""
+    pinned = 0 if cfg.pinned is None else max(0, cfg.pinned[1] - max(cfg.pinned[0], cfg.n_sink))  # past the sinks
+    period = "newest" if cfg.evict_every == 1 else "one eviction period"
+    protected = f"sinks + {'pinned + ' if pinned else ''}recent + {period}"
+    parts = f"{cfg.n_sink} + {f'{pinned} + ' if pinned else ''}{cfg.n_recent} + {cfg.evict_every}"
+    for i, held in enumerate(allocation.groups):
+        window = layout.window if allocation.group_slides(i) else 0
+        need = min(cfg.n_sink + pinned + cfg.n_recent + 1, window or np.inf) + cfg.evict_every - 1
+        if held.mode != "cells" or held.value >= need:
+            continue
+        if budget.mode == "cells" and not window:
+            raise AhakvError(f"budget {int(budget.value)} is smaller than {protected} ({parts})")
+        where = "sliding-window layers (inside their window)" if window else "full-attention layers"
+        raise AhakvError(
+            f"budget {budget} keeps {int(held.value)} cells of the {where}: fewer than {protected} ({parts})"
+        )
 
 
 class KVController:
@@ -445,27 +477,8 @@ class KVController:
         return phase, watch is None or phase >= every - watch
 
     def check_floor(self, budget: Budget) -> None:
-        """Refuse a budget that leaves a group too few cells for the protected positions (sinks, a pinned span such
-        as chat's system prompt, the recent ones) and the steps between evictions (a sliding group: for those inside
-        its window)."""
-        cfg = self.config
-        pinned = 0 if cfg.pinned is None else max(0, cfg.pinned[1] - max(cfg.pinned[0], cfg.n_sink))  # past the sinks
-        period = "newest" if cfg.evict_every == 1 else "one eviction period"
-        protected = f"sinks + {'pinned + ' if pinned else ''}recent + {period}"
-        parts = f"{cfg.n_sink} + {f'{pinned} + ' if pinned else ''}{cfg.n_recent} + {cfg.evict_every}"
-        layout = self.engine.cache_layout()
-        allocation = self.allocation(budget)
-        for i, held in enumerate(allocation.groups):
-            window = layout.window if allocation.group_slides(i) else 0
-            need = min(cfg.n_sink + pinned + cfg.n_recent + 1, window or np.inf) + cfg.evict_every - 1
-            if held.mode != "cells" or held.value >= need:
-                continue
-            if budget.mode == "cells" and not window:
-                raise AhakvError(f"budget {int(budget.value)} is smaller than {protected} ({parts})")
-            where = "sliding-window layers (inside their window)" if window else "full-attention layers"
-            raise AhakvError(
-                f"budget {budget} keeps {int(held.value)} cells of the {where}: fewer than {protected} ({parts})"
-            )
+        """Refuse a budget that leaves a group too few cells for its protected positions (``check_floor``)."""
+        check_floor(self.config, self.engine.cache_layout(), self.allocation(budget), budget)
 
     def check_budget(self, budget: Budget, policy: Policy | None = None) -> None:
         """Every check a budget must pass before it is used with ``policy`` (default: the current one):
@@ -510,6 +523,12 @@ class KVController:
         if cells >= cells_for(replace(budget, cap=None), e.config.n_ubatch, self.reach, room):
             return budget  # caches sized for every position the ratio can keep
         held = int(holding_of(cells, e.config.n_ubatch, room).value)
+        if held < 1:  # (a cap below one cell read "auto (at most -1 cells)" in the refusal that followed)
+            guided = " and a guided reading's room" if room else ""
+            raise AhakvError(
+                f"budget {budget} keeps nothing in caches of {cells} cells: they hold only one prompt chunk of "
+                f"{e.config.n_ubatch}, the newest token{guided}: give the context more cells"
+            )
         return replace(budget, cap=held if budget.cap is None else min(budget.cap, held))
 
     def set_budget(self, budget: Budget, resize: bool = False) -> int:

@@ -262,11 +262,22 @@ def _open(
     rpc_servers: tuple[str, ...] = (),
     n_threads: int | None = None,
 ) -> _Run:
-    # token by token: the spec's schedule (the product's by default); in steps of several tokens, an
-    # eviction after each that leaves room for the next, so no step ever holds more than the budget
-    if step > 1:
-        spec = replace(spec, evict_every=step, observe_steps=1)
+    spec = _stepped(spec, step)
     return _Run(open_session(model, spec, n_tokens, n_ubatch, rpc_servers=rpc_servers, n_threads=n_threads))
+
+
+def check_floors(model: Path, n_tokens: int, specs: list[SessionSpec], n_ubatch: int = 64, step: int = 1) -> None:
+    """Refuse a spec whose budget its run would refuse when it opens, before the first run: a matrix of runs must
+    not fail after minutes of others."""
+    for spec in specs:
+        _stepped(spec, step).check_floor_on(model, n_ubatch, n_tokens)
+
+
+def _stepped(spec: SessionSpec, step: int) -> SessionSpec:
+    """The spec a run reads ``step`` tokens at a time with. Token by token: the spec's schedule (the product's by
+    default); in steps of several tokens, an eviction after each that leaves room for the next, so no step ever
+    holds more than the budget."""
+    return replace(spec, evict_every=step, observe_steps=1) if step > 1 else spec
 
 
 def _nll(logp: np.ndarray, targets: list[int]) -> list[float]:
@@ -330,6 +341,7 @@ def evaluate(
     labels = [spec.label for spec in specs]
     if FULL.label in labels or len(set(labels)) != len(labels):
         raise ValueError(f"configuration labels must be unique and not {FULL.label!r}: {labels}")
+    check_floors(model, len(tokens), specs, n_ubatch, step)
     runs = [FULL, *specs]
     total = len(tokens) * len(runs)
     results: dict[str, PplResult] = {}

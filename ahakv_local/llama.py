@@ -84,6 +84,14 @@ def llama_response_format(response_format: dict) -> dict:
     return {"type": "json_object", "schema": schema}
 
 
+def product_layout(model_path: str | Path, n_gpu_layers: int = 0, rpc_servers: Sequence[str] = ()) -> str:
+    """The layer layout a budget is held in when none is asked for: the product's for this model's kinds of layers,
+    on the CPU or offloaded (``budget.default_layer_budgets``)."""
+    info = read_info(Path(model_path))
+    offloaded = n_gpu_layers != 0 and upstream.offload_target(rpc_servers)
+    return default_layer_budgets(info.n_layer_swa, info.n_layer, offloaded)
+
+
 def check_cells(model_path: str, cells: int, budget: Budget | None) -> None:
     """Refuse a budget the model can never use, or cells the machine cannot hold, before llama.cpp allocates.
     Without a budget this is llama_cpp.Llama, which loads architectures we do not evict from: unknown
@@ -189,15 +197,15 @@ class Llama(llama_cpp.Llama):
             return
 
         budget = Budget.parse(kv_budget, min_ratio=kv_min_ratio, max_ratio=kv_max_ratio, error_tol=kv_error_tol)
+        if n_ctx == 0:  # llama.cpp's "the trained context" (below, n_batch would be cut to 0 for a ratio budget)
+            n_ctx = read_info(Path(model_path)).n_ctx_train
         # the reading its cells leave room for: a chat over documents (kv_reuse_compressed) reads them
         # question-agnostically (/read), which needs a reconstruction pass's room, more than a question's
         reading = "query" if kv_query is True else kv_query or "plain"
         if kv_reuse_compressed and reading == "query":
             reading = "reconstruct"
-        if kv_layer_budgets is None:  # the product's layout for this model's kinds of layers
-            info = read_info(Path(model_path))
-            offloaded = kwargs.get("n_gpu_layers", 0) != 0 and upstream.offload_target(self.rpc_servers)
-            kv_layer_budgets = default_layer_budgets(info.n_layer_swa, info.n_layer, offloaded)
+        if kv_layer_budgets is None:
+            kv_layer_budgets = product_layout(model_path, kwargs.get("n_gpu_layers", 0), self.rpc_servers)
         # an unknown policy or a policy without a budget fails here, before the model loads
         spec = SessionSpec.bounded(
             kv_policy,

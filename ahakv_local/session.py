@@ -31,7 +31,7 @@ from .budget import (
     guide_room,
     kv_type_for,
 )
-from .controller import ControllerConfig, KVController, Reconstruct, Surprisal
+from .controller import ControllerConfig, KVController, Reconstruct, Surprisal, check_floor
 from .engine import Engine, EngineConfig, kv_type_config
 from .errors import AhakvError
 from .info import check_kv_cache_type, read_info
@@ -158,6 +158,15 @@ class SessionSpec:
             longest=longest,
             positions=positions,
         )
+
+    def check_floor_on(self, model: str | Path, chunk: int, longest: int) -> None:
+        """Refuse, before any engine opens, a budget that leaves a layer group of ``model`` too few cells for its
+        protected positions and eviction period (what the controller would refuse when it opens: a long run of
+        several configurations checks each before the first)."""
+        spec = self.on_model(model, chunk, longest)
+        layout = model_layout(Path(model), spec.kv_type)
+        config = spec.config(layout, chunk, longest)
+        check_floor(config, layout, spec.allocation(layout, chunk, longest), spec.budget)
 
     def controller(self, engine: Engine, longest: int = 0, positions: int = 0) -> KVController:
         """A controller holding this spec's budget on ``engine`` (which the caller owns), whose caches were sized
