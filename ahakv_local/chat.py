@@ -7,6 +7,7 @@ prompt is pinned. Ctrl-C stops an answer; a second Ctrl-C (before the next answe
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -216,17 +217,22 @@ class ChatSession:
 
 
 def read_message(prompt: str) -> str:
-    """One message: lines ending in a backslash continue; a \"\"\" line opens and closes a block."""
-    first = input(prompt)
+    """One message: lines ending in a backslash continue; a \"\"\" line opens and closes a block. The input's end
+    inside a block or after a backslash ends the message there (what was typed is sent, not dropped); prompts are
+    shown to a terminal only (``chat < questions > answers`` keeps them out of the answers)."""
+    more = "... " if sys.stdin.isatty() else ""
+    first = input(prompt if more else "")
     if first.strip() == '"""':
         lines = []
-        while (line := input("... ")).strip() != '"""':
-            lines.append(line)
+        with contextlib.suppress(EOFError):
+            while (line := input(more)).strip() != '"""':
+                lines.append(line)
         return "\n".join(lines)
     lines = [first]
-    while lines[-1].endswith("\\"):
-        lines[-1] = lines[-1][:-1]
-        lines.append(input("... "))
+    with contextlib.suppress(EOFError):
+        while lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1]
+            lines.append(input(more))
     return "\n".join(lines)
 
 

@@ -312,14 +312,14 @@ def sampling_options(temp: float):
 @click.argument("model", required=False, envvar="AHAKV_MODEL")
 @engine_options
 @click.option("-sys", "--system", default="You are a helpful assistant.", show_default=True, help="System prompt.")
-@click.option("-n", "--n-predict", default=512, show_default=True, help="Most tokens per answer.")
+@click.option("-n", "--n-predict", type=Positive, default=512, show_default=True, help="Most tokens per answer.")
 @sampling_options(temp=0.7)
 def chat(model, system, n_predict, temp, top_k, top_p, seed, **engine) -> None:
     """Chat in the terminal; the conversation stays in the (bounded) cache across turns."""
     from .chat import ChatSession, install_sigint_default, run_chat
 
-    if engine["budget"] is None:
-        engine["budget"] = "1024"  # the chat is the product: bounded by default
+    if engine["budget"] is None and engine["policy"] != "full":
+        engine["budget"] = "1024"  # the chat is the product: bounded by default (--policy full: every token, to -c)
     llm = load_llama(model, kv_reuse_compressed=True, **engine)
     install_sigint_default()
     session = ChatSession(llm, system or None, n_predict, temp, top_k, top_p, seed)
@@ -330,7 +330,7 @@ def chat(model, system, n_predict, temp, top_k, top_p, seed, **engine) -> None:
 @click.argument("model", required=False, envvar="AHAKV_MODEL")
 @engine_options
 @click.option("-p", "--prompt", default=None, help="Prompt text (else --file, else standard input).")
-@click.option("-f", "--file", "prompt_file", default=None, help="Read the prompt from this file.")
+@click.option("-f", "--file", "prompt_file", default=None, help="Read the prompt from this file (-: standard input).")
 @click.option("-n", "--n-predict", default=128, show_default=True, help="Tokens to generate.")
 @sampling_options(temp=0.0)
 @click.option("--stats", is_flag=True, help="Print prompt/generation speed and cache figures to stderr.")
@@ -341,7 +341,10 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
         raise AhakvError("-n/--n-predict must be at least 1")
     source = "the prompt"
     if prompt is None:
-        if prompt_file:
+        if prompt_file == "-":  # the usual name of standard input
+            source = "standard input"
+            prompt = utf8(sys.stdin.buffer.read(), source)
+        elif prompt_file:
             source = prompt_file
             try:
                 prompt = utf8(Path(prompt_file).read_bytes(), prompt_file)

@@ -5,7 +5,7 @@ checking that the file is what it claims to be and was saved from the same model
 foreign file is refused with one line and the running conversation stays as it was.
 
     chat.json   {"format", "version", "model": {...}, "system", "messages", "n_tokens", "input_ids", "seed",
-                 "cache_cells", "budget", "layer_budgets"}
+                 "cache_cells", "budget", "layer_budgets", "kv_cache": {"type_k", "type_v", "flash_attn"}}
     state.bin   llama_state_get_data() of the context (the compressed cache, positions included)
 """
 
@@ -22,6 +22,7 @@ import numpy as np
 from . import upstream
 from .budget import LAYER_BUDGETS, Budget, as_option
 from .errors import AhakvError
+from .info import KV_CACHE_TYPES
 
 FORMAT = "ahakv-local chat"
 VERSION = 1
@@ -40,8 +41,18 @@ def model_identity(llm) -> dict[str, Any]:
     }
 
 
+def kv_cache_kind(llm) -> dict[str, Any]:
+    """How K and V are stored, which llama.cpp's state carries as it is (a state of q8_0 caches, or of V laid out by
+    cell under flash attention, loads into no other)."""
+    c = llm.kv_engine.config
+    return {"type_k": c.type_k, "type_v": c.type_v, "flash_attn": c.flash_attn}
+
+
 def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None:
-    """Write the conversation and its cache; a half-written file never replaces a good one."""
+    """Write the conversation and its cache; a half-written file never replaces a good one, and a file that is not
+    a saved chat (a user's notes given by mistake) is never replaced at all."""
+    if path.is_file() and not _is_saved_chat(path):
+        raise AhakvError(f"{path} exists and is not a saved chat: not replaced (give another name)")
     state = llm.save_state()
     meta = {
         "format": FORMAT,
@@ -57,6 +68,7 @@ def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None
         # the budget those caches were laid out for, as --budget takes it (chat's /budget 8MiB re-sizes them)
         "budget": as_option(llm.kv_controller.config.budget) if llm.kv_controller is not None else None,
         "layer_budgets": llm.kv_controller.config.layer_budgets if llm.kv_controller is not None else None,
+        "kv_cache": kv_cache_kind(llm),
     }
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -82,10 +94,14 @@ def load_chat(path: Path, llm) -> tuple[list[dict], str | None]:
         llama_state=blob,
         seed=meta["seed"],
     )
-    cells, kv = meta.get("cache_cells"), llm.kv_controller
+    cells, kv, kind = meta.get("cache_cells"), llm.kv_controller, meta.get("kv_cache")
+    if kind is not None and kind != kv_cache_kind(llm):  # (llama.cpp would refuse it, in three lines of its log)
+        stored = kind.get("type_k") if kind.get("type_k") in KV_CACHE_TYPES else "other"
+        how = "flash attention on" if kind.get("flash_attn") else "flash attention off"
+        raise AhakvError(f"{path} was saved in KV caches of {stored}, {how}{_how_to_load(meta, llm)}")
     if cells is not None and kv is not None and not kv.takes_sizes(cells):
         raise AhakvError(
-            f"{path} was saved in KV caches of other sizes ({min(cells)}-{max(cells)} cells){_how_to_load(meta, kv)}"
+            f"{path} was saved in KV caches of other sizes ({min(cells)}-{max(cells)} cells){_how_to_load(meta, llm)}"
         )
     state.kv_cache_cells = cells  # the caches the drop-in gives the state
     try:
@@ -95,22 +111,42 @@ def load_chat(path: Path, llm) -> tuple[list[dict], str | None]:
     return messages, system
 
 
-def _how_to_load(meta: dict, kv) -> str:
-    """What lays the caches out as a saved chat's were: its budget and layout (older files name neither). Only what
-    parses as a budget and names a layout is repeated: a crafted file's text never reaches the error line."""
+def _how_to_load(meta: dict, llm) -> str:
+    """The options that lay the caches out as a saved chat's were: its budget, layout and K/V type, where they differ
+    from this chat's (older files name none). Only what parses as a budget, names a layout or a type is repeated: a
+    crafted file's text never reaches the error line."""
+    kv, here = llm.kv_controller, kv_cache_kind(llm)
     try:
         saved = Budget.parse(meta.get("budget"))
     except (AhakvError, TypeError, ValueError):
-        return ""
-    budget = as_option(saved)
-    layout = meta.get("layer_budgets") if meta.get("layer_budgets") in LAYER_BUDGETS else kv.config.layer_budgets
-    if (budget, layout) == (as_option(kv.config.budget), kv.config.layer_budgets):
+        saved = None
+    options = []
+    if saved is not None and kv is not None and as_option(saved) != as_option(kv.config.budget):
+        options.append(f"--budget {as_option(saved)}")
+    layout = meta.get("layer_budgets")
+    if layout in LAYER_BUDGETS and kv is not None and layout != kv.config.layer_budgets:
+        options.append(f"--layer-budgets {layout}")
+    kind = meta.get("kv_cache") if isinstance(meta.get("kv_cache"), dict) else {}
+    if kind.get("type_k") in KV_CACHE_TYPES and kind.get("type_k") != here["type_k"]:
+        options.append(f"--kv-type {kind['type_k']}")
+    if not options:
         return ""  # (laid out as here, and still not these caches: nothing to suggest)
-    opened = f"open the chat with --budget {budget}"
-    if layout != kv.config.layer_budgets:
-        return f": {opened} --layer-budgets {layout}"
-    # chat's /budget re-sizes the caches for bytes only
-    return f": /budget {budget} first, or {opened}" if saved.mode == "bytes" else f": {opened}"
+    opened = f"open the chat with {' '.join(options)}"
+    # chat's /budget re-sizes the caches for bytes only, in their K/V type
+    if saved is not None and saved.mode == "bytes" and options == [f"--budget {as_option(saved)}"]:
+        return f": /budget {as_option(saved)} first, or {opened}"
+    return f": {opened}"
+
+
+def _is_saved_chat(path: Path) -> bool:
+    """Whether ``path`` is a saved chat of any version (its metadata only)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            info = z.getinfo("chat.json")
+            meta = json.loads(z.read(info)) if info.file_size <= MAX_META_BYTES else None
+    except (zipfile.BadZipFile, KeyError, UnicodeDecodeError, json.JSONDecodeError, OSError):
+        return False
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
 
 
 def _read(path: Path) -> tuple[dict, bytes]:
@@ -151,6 +187,8 @@ def _check(meta: dict, llm, path: Path) -> tuple[list[dict], str | None]:
         raise AhakvError(f"{path} holds an invalid token list")
     if not all(isinstance(t, int) and 0 <= t < here["n_vocab"] for t in ids):
         raise AhakvError(f"{path} holds token ids outside this model's vocabulary")
+    if meta.get("kv_cache") is not None and not isinstance(meta["kv_cache"], dict):
+        raise AhakvError(f"{path} holds an invalid KV cache type")
     cells = meta.get("cache_cells")
     if cells is not None and not (isinstance(cells, list) and cells and all(type(c) is int and c > 0 for c in cells)):
         raise AhakvError(f"{path} holds invalid KV cache sizes")

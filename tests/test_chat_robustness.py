@@ -153,6 +153,61 @@ def test_foreign_and_damaged_files_change_nothing(chat, tmp_path):
     assert talk(chat, "still there?") is not None  # the session still answers
 
 
+def test_a_chat_saved_in_other_kv_types_is_refused_with_what_loads_it(gemma_model, tmp_path):
+    """llama.cpp's state holds K and V as they are stored: a chat saved in q8_0 caches (flash attention on) loaded
+    into f16 ones printed two lines of llama.cpp's log before the refusal, and a chat saved under a byte budget
+    whose auto type was q8_0 was told "/budget 8MiB first", which keeps f16 caches and fails again."""
+
+    def gemma_chat(**kw) -> ChatSession:
+        llm = Llama(str(gemma_model), kv_recent=8, n_batch=64, n_threads=1, verbose=False, **kw)
+        return ChatSession(llm, None, max_tokens=4, temperature=0.0)
+
+    here = gemma_chat(kv_budget=1024, kv_type="auto")  # chat's default budget: f16
+    try:
+        for name, kw, hint in [
+            ("q8.chat", {"kv_budget": 1024, "kv_type": "q8_0"}, ": open the chat with --kv-type q8_0$"),
+            (
+                "bytes.chat",
+                {"kv_budget": "8MiB", "kv_type": "auto"},
+                ": open the chat with --budget 8MiB --kv-type q8_0$",
+            ),
+        ]:
+            saved = gemma_chat(**kw)
+            try:
+                talk(saved, "My name is Bob.")
+                command(saved, "/save", str(tmp_path / name))
+            finally:
+                saved.llm.close()
+            talk(here, "hello")
+            before = list(here.messages)
+            with pytest.raises(AhakvError, match=rf"saved in KV caches of q8_0, flash attention on{hint}"):
+                command(here, "/load", str(tmp_path / name))
+            assert here.messages == before and talk(here, "still there?") is not None
+        # as the hint says: the same chat loads and goes on
+        again = gemma_chat(kv_budget="8MiB", kv_type="q8_0")
+        try:
+            command(again, "/load", str(tmp_path / "bytes.chat"))
+            assert [m["content"] for m in again.messages if m["role"] == "user"] == ["My name is Bob."]
+        finally:
+            again.llm.close()
+    finally:
+        here.llm.close()
+
+
+def test_save_never_replaces_a_file_that_is_not_a_saved_chat(chat, tmp_path):
+    talk(chat, "hello")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    with pytest.raises(AhakvError, match=r"notes.txt exists and is not a saved chat: not replaced"):
+        command(chat, "/save", str(notes))
+    assert notes.read_text() == "my notes" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    saved = tmp_path / "conv.chat"
+    command(chat, "/save", str(saved))
+    talk(chat, "more")
+    command(chat, "/save", str(saved))  # a saved chat is replaced by the newer one, as an editor saves
+    assert len(json.loads(zipfile.ZipFile(saved).read("chat.json"))["messages"]) == len(chat.messages)
+
+
 def test_a_save_that_cannot_be_written_is_one_line_and_leaves_nothing_behind(chat, tmp_path):
     talk(chat, "hello")
     with pytest.raises(AhakvError, match=r"cannot write .*absent.*: No such file or directory"):
