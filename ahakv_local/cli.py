@@ -281,6 +281,8 @@ def load_llama(
             rpc_servers=rpc,
             **extra,
         )
+    except AhakvError:
+        raise  # (a ValueError too) already says what is wrong
     except ValueError as exc:
         raise AhakvError(f"cannot load {path}: {exc}") from None
     except MemoryError:  # llama-cpp-python holds batch x vocabulary logits (1 MiB a token on Gemma 3's 262,144)

@@ -1,8 +1,9 @@
 """Errors meant for the user: the CLI prints them as one line and exits non-zero."""
 
 
-class AhakvError(Exception):
-    """A user-facing failure with a message that says what to do."""
+class AhakvError(ValueError):
+    """A user-facing failure with a message that says what to do. A ValueError, as llama-cpp-python's refusals of
+    bad arguments are: an app's ``except ValueError`` around ``Llama(...)`` or a completion catches both."""
 
 
 class EngineNotPatched(AhakvError):

@@ -39,6 +39,7 @@ from .controller import ControllerStats, KVController
 from .engine import Engine, clear_next_caches, kv_type_params, set_next_caches
 from .errors import AhakvError
 from .info import check_kv_types, read_info, reading_headers_once
+from .policies import make_policy
 from .session import SessionSpec, guide
 
 
@@ -169,6 +170,15 @@ class Llama(llama_cpp.Llama):
         n_batch: int = 512,
         **kwargs,
     ):
+        # what this Llama was asked for, which a pickled copy is made from again (llama-cpp-python pickles the
+        # constructor's arguments: its own state would say the cells allocated, not the context asked for)
+        self._asked = dict(
+            kv_budget=kv_budget, kv_policy=kv_policy, kv_sinks=kv_sinks, kv_recent=kv_recent, kv_error_tol=kv_error_tol,
+            kv_min_ratio=kv_min_ratio, kv_max_ratio=kv_max_ratio, kv_evict_every=kv_evict_every,
+            kv_observe_steps=kv_observe_steps, kv_pinned=kv_pinned, kv_reuse_compressed=kv_reuse_compressed,
+            kv_query=kv_query, kv_layer_budgets=kv_layer_budgets, kv_type=kv_type, rpc_servers=rpc_servers,
+            repack_weights=repack_weights, n_ctx=n_ctx, n_batch=n_batch,
+        )  # fmt: skip
         self._kv: KVController | None = None
         # llama.cpp RPC workers for the layers (checked now: llama.cpp would abort on one it cannot reach)
         self.rpc_servers = rpc.parse_servers(rpc_servers) if rpc_servers else ()
@@ -188,6 +198,7 @@ class Llama(llama_cpp.Llama):
         if kv_type == KV_TYPE_AUTO and kwargs.get("flash_attn") is False:
             kv_type = "f16"  # a quantized V needs flash attention
         if kv_budget is None:
+            make_policy(kv_policy)  # an unknown name is refused with or without a budget (the policy acts with one)
             if kv_type not in (None, KV_TYPE_AUTO):  # "auto" spends a budget: without one, f16 as by default
                 self._use_kv_type(model_path, kv_type, kwargs)
             check_cells(model_path, n_ctx, None)
@@ -221,7 +232,12 @@ class Llama(llama_cpp.Llama):
         )
         if kwargs.get("logits_all"):
             raise AhakvError("logits_all keeps a row of logits per position; it cannot be combined with kv_budget")
-        n_batch = min(n_batch, n_ctx) if budget.mode != "cells" else n_batch
+        if budget.mode in ("ratio", "auto"):
+            # laid out in n_ctx cells, which also take a prompt chunk and a question's room: a chunk of n_ctx (512
+            # and 512 by default) left a 25% budget no cell (it kept the 36 protected positions, 4% of 948 tokens)
+            n_batch = min(n_batch, max(1, n_ctx // 8))
+        elif budget.mode == "bytes":
+            n_batch = min(n_batch, n_ctx)
         chunk = min(kwargs.get("n_ubatch", 512), n_batch)
         spec = spec.on_model(model_path, chunk, n_ctx)  # kv_type "auto": decided for n_ctx positions
         if kv_type is not None:
@@ -255,6 +271,12 @@ class Llama(llama_cpp.Llama):
         self._kv = spec.controller(engine, longest, positions=engine.n_ctx_train)
         self._kv_reuse_compressed = kv_reuse_compressed
         upstream.set_position_bound(self, engine.n_ctx_train)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__() | self._asked
+        if self.chat_format == upstream.TRANSCRIPT:  # made again by the constructor (a closure: not picklable)
+            state |= {"chat_format": None, "chat_handler": None}
+        return state
 
     @staticmethod
     def _use_kv_type(model_path: str, kv_type: str, kwargs: dict) -> None:
@@ -367,7 +389,8 @@ class Llama(llama_cpp.Llama):
             self._requires_eval = False
 
     def generate(self, tokens: Sequence[int], *args, **kwargs):
-        if self._kv is not None and not self._kv_reuse_compressed and self._needs_rewind(tokens):
+        reset = kwargs.get("reset", args[6] if len(args) > 6 else True)  # False: ``tokens`` go after what is cached
+        if self._kv is not None and not self._kv_reuse_compressed and reset and self._needs_rewind(tokens):
             # llama-cpp-python would rewind to the longest matching prefix and reuse it as if intact. The
             # cached values may have holes, and the policy's statistics include queries that a rewind
             # removes and cannot be taken back: read the prompt from the start with a fresh policy, so

@@ -106,7 +106,9 @@ def load_chat(path: Path, llm) -> tuple[list[dict], str | None]:
     state.kv_cache_cells = cells  # the caches the drop-in gives the state
     try:
         llm.load_state(state)
-    except ValueError as exc:
+    except AhakvError:
+        raise
+    except ValueError as exc:  # llama-cpp-python's
         raise AhakvError(f"{path}: {exc}") from None
     return messages, system
 

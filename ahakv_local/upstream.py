@@ -260,6 +260,9 @@ def has_chat_template(metadata: dict) -> bool:
     return "tokenizer.chat_template" in metadata
 
 
+TRANSCRIPT = "ahakv-transcript"  # the chat format of a model without a chat template
+
+
 def use_transcript_without_template(llm, kwargs: dict) -> None:
     """After llama_cpp.Llama's constructor: a model without a chat template chats as a transcript, unless the
     caller chose a chat format or handler."""
@@ -267,7 +270,7 @@ def use_transcript_without_template(llm, kwargs: dict) -> None:
         return
     from llama_cpp.llama_chat_format import chat_formatter_to_chat_completion_handler
 
-    llm.chat_format = "ahakv-transcript"
+    llm.chat_format = TRANSCRIPT
     llm.chat_handler = chat_formatter_to_chat_completion_handler(transcript)
 
 

@@ -187,6 +187,11 @@ def test_bad_configurations_are_refused(fixture_model):
             KVController(e, make_policy("h2o"), ControllerConfig(Budget.parse(20), n_sink=4, n_recent=32))
         with pytest.raises(AhakvError, match="auto budget needs a policy with an error model"):
             KVController(e, make_policy("h2o"), ControllerConfig(Budget.parse("auto")))
+    # caches of one prompt chunk and the newest token leave a ratio no cell: its cap read "at most -1 cells"
+    with Engine(fixture_model, EngineConfig(n_ctx=64, n_batch=64, n_ubatch=64, cache_cells=(64, 0))) as e:
+        for budget in ("0.5", "auto"):
+            with pytest.raises(AhakvError, match=r"keeps nothing in caches of 64 cells: they hold only one prompt"):
+                KVController(e, make_policy("ahakv"), ControllerConfig(Budget.parse(budget), 4, 8, positions=4096))
     for text in ("0", "-3", "1.5", "lots"):
         with pytest.raises(AhakvError, match="budget must be"):
             Budget.parse(text)

@@ -267,3 +267,85 @@ def test_should_stop_ends_a_prompt_between_chunks(fixture_model):
         assert llm.kv_controller.live.max() == 63
         llm.should_stop = lambda: False
         assert llm("a b", max_tokens=2)["choices"]  # the same Llama answers the next request
+
+
+def test_generate_without_reset_continues_what_was_evaluated(gemma_model):
+    """An app's own eval/sample loop: generate(tokens, reset=False) goes on after what is cached. With a budget the
+    drop-in rewound to nothing first ("girl girl girl ...": the one token decoded alone at position 0). The budget
+    holds the whole text here, so the tokens are upstream's."""
+
+    def loop(llm) -> list[int]:
+        prompt = llm.tokenize(b"Once upon a time, there was a little")
+        llm.eval(prompt)
+        first = llm.sample(temp=0)
+        out = [first]
+        for token in llm.generate([first], temp=0, reset=False):
+            out.append(token)
+            if len(out) == 8:
+                break
+        return out
+
+    reference = llama_cpp.Llama(str(gemma_model), n_ctx=512, n_batch=64, verbose=False)
+    bounded = Llama(str(gemma_model), n_ctx=512, n_batch=64, kv_budget=256, verbose=False)
+    try:
+        expected = loop(reference)
+        assert loop(bounded) == expected and len(set(expected)) > 2
+        assert bounded.n_tokens == reference.n_tokens > 8
+    finally:
+        reference.close()
+        bounded.close()
+
+
+@pytest.mark.parametrize("budget", ["25%", "auto"])
+def test_ratio_and_auto_budgets_work_at_the_default_context(gemma_model, license_text, budget):
+    """At llama-cpp-python's defaults (n_ctx 512, n_batch 512) a prompt chunk of 512 took every cell the ratio had:
+    25% kept the 36 protected positions (4% of 948 tokens), and auto was refused ("at most -1 cells")."""
+    llm = Llama(str(gemma_model), kv_budget=budget, n_threads=1, verbose=False)
+    try:
+        llm(license_text[:4000], max_tokens=2)
+        s = llm.kv_stats()
+        assert s.tokens_seen > 800 and s.cells_used <= s.budget
+        if budget == "25%":  # a quarter of what was read (adaptive: the full-attention layers' mean, each layer
+            # holding its own share of it, evicted at the last prompt chunk)
+            assert s.budget == pytest.approx(0.25 * s.tokens_seen, abs=1) and s.cells_used >= 0.2 * s.tokens_seen
+        else:  # auto's error model keeps 10-40% of it
+            assert 0.10 * s.tokens_seen - 1 <= s.cells_used <= 0.40 * s.tokens_seen
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("budget", [None, 96, "25%"])
+def test_a_pickled_llama_is_made_again_as_it_was_asked_for(gemma_model, budget):
+    """llama-cpp-python pickles a Llama as its constructor's arguments (an app handing it to multiprocessing). The
+    drop-in's chat handler for a model without a template was a closure (no pickling at all), and a copy lost its
+    budget and took the allocated cells for its context."""
+    import pickle
+
+    llm = Llama(str(gemma_model), kv_budget=budget, n_ctx=1024, n_batch=64, n_threads=1, verbose=False)
+    try:
+        copy = pickle.loads(pickle.dumps(llm))
+        try:
+            assert copy.kv_stats().budget == llm.kv_stats().budget and copy.n_ctx() == llm.n_ctx()
+            assert copy.kv_engine.cache_sizes() == llm.kv_engine.cache_sizes()
+            prompt = "The GNU General Public License " * 40  # past 96 cells: the same evictions
+            assert (
+                copy(prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
+                == llm(prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
+            )
+            chat = [{"role": "user", "content": "Hi"}]  # the transcript's handler, made again
+            kw = {"max_tokens": 4, "temperature": 0}
+            assert (
+                copy.create_chat_completion(chat, **kw)["choices"] == llm.create_chat_completion(chat, **kw)["choices"]
+            )
+        finally:
+            copy.close()
+    finally:
+        llm.close()
+
+
+def test_bad_arguments_are_value_errors_as_upstreams(fixture_model):
+    """An app's `except ValueError` around Llama(...) catches llama-cpp-python's refusals; the drop-in's were a plain
+    Exception, and an unknown kv_policy without a budget was accepted in silence."""
+    for kw in ({"kv_budget": "abc"}, {"kv_budget": 10}, {"kv_budget": 64, "logits_all": True}, {"kv_policy": "nope"}):
+        with pytest.raises(ValueError):
+            Llama(str(fixture_model), n_ctx=256, verbose=False, **kw)
