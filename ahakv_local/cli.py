@@ -166,7 +166,7 @@ def engine_options(f):
             type=int,
             default=None,
             envvar="AHAKV_EVICT_EVERY",
-            help="Decode steps between evictions (default 32, less for small budgets; 1 = every token).",
+            help="Decode steps between evictions (default 32, less for small budgets, 1 for ratio and auto ones).",
         ),
         click.option(
             "--observe-steps",

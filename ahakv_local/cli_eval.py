@@ -22,11 +22,17 @@ Positive = click.IntRange(min=1)
 LICENSES = Path("/usr/share/common-licenses")
 
 
-def rpc_option(f):
-    """--rpc / AHAKV_RPC: the llama.cpp RPC workers of every command that loads a model."""
-    from .rpc import OPTION_HELP
+def rpc_option(f, every_layer: bool = False):
+    """--rpc / AHAKV_RPC: the llama.cpp RPC workers of every command that loads a model (``every_layer``: a command
+    without -ngl, whose workers hold every layer)."""
+    from .rpc import OPTION_HELP, OPTION_HELP_EVERY_LAYER
 
-    return click.option("--rpc", default=None, metavar="HOST:PORT,...", envvar="AHAKV_RPC", help=OPTION_HELP)(f)
+    text = OPTION_HELP_EVERY_LAYER if every_layer else OPTION_HELP
+    return click.option("--rpc", default=None, metavar="HOST:PORT,...", envvar="AHAKV_RPC", help=text)(f)
+
+
+def eval_rpc_option(f):
+    return rpc_option(f, every_layer=True)
 
 
 def threads_option(f):
@@ -199,7 +205,12 @@ def eval_group() -> None:
 @click.option("--ablations", is_flag=True, help="Also AhaKV with each component off, at every budget.")
 @click.option("--ablations-at", default="", help="The same, at these budgets only (comma-separated).")
 @click.option("--step", default=1, show_default=True, help="Tokens per decode after the prefix (1: token by token).")
-@click.option("--evict-every", type=int, default=None, help="Token by token: steps between evictions (default 32).")
+@click.option(
+    "--evict-every",
+    type=int,
+    default=None,
+    help="Token by token: steps between evictions (default 32, less for small budgets, 1 for fractions).",
+)
 @click.option("--observe-steps", default=1, show_default=True, help="Token by token: observed steps (0: all).")
 @click.option("--sinks", type=Count, default=4, show_default=True)
 @click.option("--recent", type=Count, default=32, show_default=True)
@@ -218,7 +229,7 @@ def eval_group() -> None:
     'default on Gemma 3); a configuration is "<policy> <layout>@<budget>" outside the shared pool.',
 )
 @click.option("--out", "out_dir", default="eval-out", show_default=True, help="Folder for the outputs.")
-@rpc_option
+@eval_rpc_option
 @threads_option
 def eval_ppl(
     model, text_file, tokens, prefix, budgets, policies, ablations, ablations_at, step, evict_every, observe_steps,
@@ -296,7 +307,7 @@ def eval_ppl(
 @click.option("--sinks", type=Count, default=4, show_default=True)
 @click.option("--recent", type=Count, default=32, show_default=True)
 @click.option("--out", "out_dir", default="needle-out", show_default=True, help="Folder for the outputs.")
-@rpc_option
+@eval_rpc_option
 @threads_option
 def eval_needle(
     model, filler_file, lengths, depths, budgets, policies, trials, seed, sinks, recent, out_dir, rpc, threads
@@ -367,7 +378,7 @@ def eval_needle(
     'configuration is "<policy>@<compression>[+<reading>] <layout>" outside the shared pool.',
 )
 @click.option("--out", "out_dir", default="longdoc-out", show_default=True, help="Folder for the outputs.")
-@rpc_option
+@eval_rpc_option
 @threads_option
 def eval_longdoc(
     model, tasks, lengths, depths, compressions, policies, reading, trials, seed, filler_files, sinks, recent,

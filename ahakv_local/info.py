@@ -319,9 +319,10 @@ def describe(info: ModelInfo, context: int | None, n_ubatch: int = 512, at: Budg
         b = at.budget
         named = f"{int(b.value):,} cells" if b.mode == "cells" else str(b)
         typed = "" if at.kv_type == "f16" else f", K and V in {at.kv_type}"
+        at_context = "" if b.mode == "cells" else f" -c {context}"  # (both default to -c 4096)
         lines.append(
             f"KV at budget   {named}, {at.layer_budgets} layer budgets{typed}: {mib(allocated)} = {parts} "
-            f"(as generate{'' if b.mode == 'cells' else f' -c {context}'} and serve allocate it: a prompt chunk of "
+            f"(as generate{at_context} and serve{at_context} allocate it: a prompt chunk of "
             f"{at.chunk} and a question's room on top" + (f"; {how})" if at.layer_budgets == "adaptive" else ")")
         )
         if b.mode == "cells" and b.value >= context:

@@ -2,15 +2,15 @@
 
 Without ``kv_budget`` it *is* llama_cpp.Llama (same code path, same errors). With one:
 
-- the KV buffer holds ``budget + n_batch + 1`` cells (llama.cpp pads to 256), however
-  long the text: positions run up to the model's trained context, far past the cells, so
-  ``n_ctx()`` reports the trained context and completions are bounded by it;
+- the KV caches hold what ``budget.allocate`` lays out (a cell budget: ``budget + n_batch + 1`` cells and a
+  question's room, no padding), however long the text: positions run up to the model's trained context, far past
+  the cells, so ``n_ctx()`` reports the trained context and completions are bounded by it;
 - ``eval`` decodes through the eviction controller (prompt in n_ubatch chunks, compressed after
   each; then one token at a time, evicting every ``kv_evict_every`` steps - 32 by default - after
   observing the last ``kv_observe_steps``), keeping the cache at the budget at every step;
 - prefix reuse stays honest: a prompt that extends the whole cached sequence continues it; any other
   is read from the start with a fresh policy (the cache may have holes, and the policy's statistics
-  cannot be rewound), so the same request always gets the same answer. With
+  cannot be rewound), so a request that does not continue the cached sequence gets a fresh read's answer. With
   ``kv_reuse_compressed=True`` (what the chat uses) the compressed history is reused on purpose;
 - a prompt longer than the budget is read guided by its question (``kv_query``), for policies that can be
   (ahakv, snapkv, tova): ``create_chat_completion`` takes the last user message, ``create_completion`` the
@@ -473,7 +473,8 @@ class Llama(llama_cpp.Llama):
 
     def load_state(self, state) -> None:
         """Restore a ``save_state()``; a state of another model or context size is refused before anything
-        changes (upstream would fail halfway, in numpy, with the cache half-replaced)."""
+        changes (upstream would fail halfway, in numpy, with the cache half-replaced), and one llama.cpp refuses as it
+        reads (caches of another layout or K/V type) leaves the sequence as it was."""
         n_vocab = self.n_vocab()
         scores = np.asarray(state.scores)
         if scores.ndim != 2 or scores.shape[1] != n_vocab or scores.shape[0] > self.scores.shape[0]:
@@ -487,6 +488,9 @@ class Llama(llama_cpp.Llama):
         ids[: state.n_tokens] = np.asarray(state.input_ids[: state.n_tokens], dtype=np.intc)
         if state.n_tokens and (ids[: state.n_tokens].min() < 0 or ids[: state.n_tokens].max() >= n_vocab):
             raise ValueError("this state holds token ids outside this model's vocabulary")
+        # llama.cpp checks the rest (the layers' caches, their types) only as it reads, having emptied the sequence:
+        # the sequence as it is, to put back where it refuses
+        backup = self.save_state() if self.n_tokens else None
         cells = getattr(state, "kv_cache_cells", None)
         if self._kv is not None and cells is not None and tuple(cells) != self._kv_engine.cache_sizes():
             try:  # the caches it was saved in, emptied (the state replaces the sequence)
@@ -498,6 +502,8 @@ class Llama(llama_cpp.Llama):
         _, ctx, _ = upstream.handles(self)
         if llama_cpp.llama_state_set_data(ctx.ctx, buf, state.llama_state_size) != state.llama_state_size:
             self.reset()  # whatever llama.cpp restored is not a consistent cache
+            if backup is not None:
+                self.load_state(backup)
             raise ValueError("llama.cpp refused this state (saved with another model or settings)")
         if self._kv is not None:
             self._kv_engine.n_past = self.n_tokens

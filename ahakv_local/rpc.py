@@ -38,6 +38,10 @@ OPTION_HELP = (
     "llama.cpp RPC workers (`ahakv-local rpc-server`) to hold the layers: all of them unless -ngl says how many. "
     "The protocol is unauthenticated: use it on a trusted network only."
 )
+OPTION_HELP_EVERY_LAYER = (
+    "llama.cpp RPC workers (`ahakv-local rpc-server`) to hold every layer of every run. The protocol is "
+    "unauthenticated: use it on a trusted network only."
+)
 BUILD_HINT = "the installed engine has no RPC backend: run `ahakv-local build --rpc`"
 
 

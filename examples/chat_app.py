@@ -1,6 +1,6 @@
 """A minimal chat app on ahakv_local.Llama: the conversation stays in a 512-cell cache across turns.
 
-python examples/chat_app.py        (type a message per line; an empty line quits)
+python examples/chat_app.py        (type a message per line; an empty line or the input's end quits)
 """
 
 from ahakv_local import Llama
@@ -15,7 +15,16 @@ llm = Llama(
     verbose=False,
 )
 messages = [{"role": "system", "content": "You are a concise, friendly assistant."}]
-while line := input("you> ").strip():
+
+
+def read_line() -> str:
+    try:
+        return input("you> ").strip()
+    except EOFError:  # Ctrl-D, or the end of piped input
+        return ""
+
+
+while line := read_line():
     messages.append({"role": "user", "content": line})
     reply = ""
     for chunk in llm.create_chat_completion(messages=messages, stream=True, max_tokens=256):

@@ -236,6 +236,13 @@ def test_info_states_what_generate_allocates_for_bytes_ratios_and_auto(gemma_mod
     )
 
 
+def test_info_names_the_context_serve_would_need_for_what_it_states(gemma_model):
+    # without -c, info lays a byte budget out for the trained context (q5_0 at 8MiB) and said "as generate -c 32768
+    # and serve allocate it", where serve's default -c 4096 picks q8_0
+    out = ahakv("info", str(gemma_model), "--budget", "8MiB").stdout
+    assert "K and V in q5_0" in out and "(as generate -c 32768 and serve -c 32768 allocate it" in out
+
+
 def test_info_refuses_what_generate_refuses(gemma_model):
     assert_one_line_error(ahakv("info", str(gemma_model), "--budget", "lots"), r"error: budget must be a cell count")
     assert_one_line_error(

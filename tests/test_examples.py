@@ -30,3 +30,15 @@ def test_long_document_qa_finds_the_key_it_hid(gemma_model, license_text, tmp_pa
     assert re.match(r"answer: '58213\b.*\(correct: the key is 58213\)", proc.stdout), proc.stdout
     seen, used, budget = map(int, re.search(r"\[(\d+) tokens read through (\d+)/(\d+) cells", proc.stderr).groups())
     assert seen > 1800 and used <= budget == 256
+
+
+def test_chat_app_answers_and_ends_with_its_input():
+    """examples/chat_app.py: one turn through the 512-cell cache, then the input's end quits (an EOFError traceback
+    before)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "chat_app.py")],
+        input="Name a colour.\n", capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    used, budget, seen = map(int, re.search(r"\[cache (\d+)/(\d+) cells, (\d+) tokens seen", proc.stdout).groups())
+    assert budget == 512 and used == seen > 0  # one short turn: nothing evicted yet

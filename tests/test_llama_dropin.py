@@ -349,3 +349,25 @@ def test_bad_arguments_are_value_errors_as_upstreams(fixture_model):
     for kw in ({"kv_budget": "abc"}, {"kv_budget": 10}, {"kv_budget": 64, "logits_all": True}, {"kv_policy": "nope"}):
         with pytest.raises(ValueError):
             Llama(str(fixture_model), n_ctx=256, verbose=False, **kw)
+
+
+def test_a_state_llama_cpp_refuses_leaves_the_sequence_as_it_was(gemma_model):
+    """A state of other caches (no budget: the model's own two; here one per layer) passes the drop-in's checks and
+    is refused by llama.cpp as it reads, after it emptied the sequence: the sequence was lost (n_tokens 5 -> 0)."""
+    plain = Llama(str(gemma_model), n_ctx=256, n_batch=64, verbose=False)
+    bounded = Llama(str(gemma_model), n_ctx=256, n_batch=64, kv_budget=64, verbose=False)
+    try:
+        plain("Hello there", max_tokens=2, temperature=0)
+        foreign = plain.save_state()
+        bounded("The quick brown fox " * 20, max_tokens=4, temperature=0)
+        before = bounded.save_state()
+        live = bounded.kv_controller.live.copy()
+        with pytest.raises(ValueError, match="llama.cpp refused this state"):
+            bounded.load_state(foreign)
+        after = bounded.save_state()
+        assert bounded.n_tokens == before.n_tokens and bytes(after.llama_state) == bytes(before.llama_state)
+        np.testing.assert_array_equal(bounded.kv_engine.live_positions(), live)
+        np.testing.assert_array_equal(bounded.kv_controller.live, live)
+    finally:
+        plain.close()
+        bounded.close()
