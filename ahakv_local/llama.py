@@ -234,8 +234,9 @@ class Llama(llama_cpp.Llama):
             raise AhakvError("logits_all keeps a row of logits per position; it cannot be combined with kv_budget")
         if budget.mode in ("ratio", "auto"):
             # laid out in n_ctx cells, which also take a prompt chunk and a question's room: a chunk of n_ctx (512
-            # and 512 by default) left a 25% budget no cell (it kept the 36 protected positions, 4% of 948 tokens)
-            n_batch = min(n_batch, max(1, n_ctx // 8))
+            # and 512 by default) left a 25% budget no cell (it kept the 36 protected positions, 4% of 948 tokens);
+            # a quarter of them leaves it three quarters
+            n_batch = min(n_batch, max(1, n_ctx // 4))
         elif budget.mode == "bytes":
             n_batch = min(n_batch, n_ctx)
         chunk = min(kwargs.get("n_ubatch", 512), n_batch)
