@@ -145,7 +145,7 @@ def _layer_budgets(layouts: str) -> tuple[str, ...]:
     """'shared,adaptive' -> the layouts, refused in one line if one is unknown."""
     from .budget import check_layer_budgets
 
-    names = tuple(n.strip() for n in layouts.split(",") if n.strip())
+    names = tuple(dict.fromkeys(n.strip() for n in layouts.split(",") if n.strip()))  # each once
     for name in names or ("",):  # none named: refused as an empty name
         check_layer_budgets(name)
     return names
@@ -163,7 +163,17 @@ def _cells(budgets: str, n_tokens: int, floor: int) -> list[int]:
             raise AhakvError(f"evaluation budgets are cells or fractions of the text, not {text!r}")
         target = budget.target(n_tokens)
         cells.append(target if budget.mode == "cells" else max(floor, target))
-    return cells
+    return list(dict.fromkeys(cells))  # each once: a budget named twice ran twice into one row
+
+
+def _below_trained(model: Path, cells: list[int]) -> None:
+    """Refuse a budget of more cells than the model has positions, as generate does (it ran, and reported a
+    "compression" below 1x)."""
+    from .info import read_info
+
+    trained = read_info(model).n_ctx_train
+    if max(cells) > trained:
+        raise AhakvError(f"budget {max(cells)} cells exceeds the model's trained context of {trained} positions")
 
 
 def _lengths_and_depths(lengths: str, depths: str) -> tuple[list[int], list[float]]:
@@ -175,7 +185,7 @@ def _lengths_and_depths(lengths: str, depths: str) -> tuple[list[int], list[floa
         raise AhakvError("--lengths takes integers and --depths fractions, comma-separated") from None
     if any(not 0 <= d <= 1 for d in deps):
         raise AhakvError("--depths must lie between 0 and 1")
-    return lens, deps
+    return list(dict.fromkeys(lens)), list(dict.fromkeys(deps))  # each once: a repeat ran its items twice
 
 
 @click.group("eval")
@@ -264,6 +274,9 @@ def eval_ppl(
     )
     floor = sinks + recent + (step if step > 1 else evict_every or 1)  # a fraction of a short text: at least this
     cells = _cells(budgets, len(ids), floor)
+    _below_trained(path, cells)
+    if max(cells) >= len(ids):
+        raise AhakvError(f"budget {max(cells)} cells holds the whole text ({len(ids)} tokens): nothing is evicted")
     ablated = cells if ablations else _cells(ablations_at, len(ids), floor) if ablations_at else []
     # named specs: llama.cpp's trimmed full cache, every policy at every budget in every layout, then AhaKV without
     # each component
@@ -322,9 +335,14 @@ def eval_needle(
     filler = _read(filler_file)
     lens, deps = _lengths_and_depths(lengths, depths)
     floor = sinks + recent + 1
+    from .budget import Budget
+
+    if any(Budget.parse(b).mode != "cells" for b in budgets.split(",")):  # (a fraction of the longest, at each)
+        raise AhakvError("eval needle budgets are cells: for a share of each prompt, eval longdoc --compressions")
     cells = _cells(budgets, max(lens), floor)
     if min(cells) < floor:
         raise AhakvError(f"a budget is smaller than sinks + recent + newest ({floor})")
+    _below_trained(path, cells)
     from .session import SessionSpec
 
     schedule = dict(n_sink=sinks, n_recent=recent)
@@ -390,11 +408,11 @@ def eval_longdoc(
     from .report import write_longdoc_report
 
     rpc_servers = parse_rpc(rpc)
-    task_list = [t.strip() for t in tasks.split(",") if t.strip()]
+    task_list = list(dict.fromkeys(t.strip() for t in tasks.split(",") if t.strip()))
     unknown = [t for t in task_list if t not in TASKS]
     if unknown or not task_list:
         raise AhakvError(f"unknown task {','.join(unknown)!r}; choose from {', '.join(TASKS)}")
-    readings = [r.strip() for r in reading.split(",") if r.strip()]
+    readings = list(dict.fromkeys(r.strip() for r in reading.split(",") if r.strip()))
     from .budget import READINGS
 
     if not readings or any(r not in READINGS for r in readings):

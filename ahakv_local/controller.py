@@ -602,6 +602,7 @@ class KVController:
         self._forget_words(0)  # a loaded state's tokens are not known here: each position its own word
         for g in self.groups:
             g.live = g.read_live(self.engine)
+            g.evicted = max(0, self.engine.n_past - g.live.size)  # what the saved sequence had evicted (chat /stats)
             g.policy.truncate(0)
             g.obs = None
         self._pending = 0

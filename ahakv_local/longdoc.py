@@ -266,7 +266,7 @@ def parse_compressions(text: str) -> list[float]:
         if not (np.isfinite(c) and c >= 1):
             raise ValueError(f"a compression must be at least 1 (1: keep everything), not {part!r}")
         out.append(c)
-    return out
+    return list(dict.fromkeys(out))  # each once ("4,4x" ran twice into one row of twice the items)
 
 
 def label_of(policy: str, compression: float, reading: str, layer_budgets: str = "shared") -> str:
@@ -286,7 +286,8 @@ def specs_rule(
     """length -> [the full cache, then every policy x compression x reading x layout at length / compression
     cells (a cell budget is what a full-attention layer holds, so no layout allocates more bytes than the shared
     pool: the sliding-window layers of the others hold at most their window)].
-    A policy that cannot be guided by a question reads plainly whatever the mode, so it runs once."""
+    A policy that cannot be guided by a question reads plainly in the modes that need one (query, reconstruct), so
+    it runs once for them; surprisal, which any policy reads by, runs as asked."""
     from .policies import make_policy
 
     def rule(length: int) -> list[SessionSpec]:
@@ -294,7 +295,8 @@ def specs_rule(
         for c in compressions:
             cells = max(1, int(length / c))
             for p in policies:
-                modes = readings if make_policy(p).reads_with_query else ["plain"]
+                guided = make_policy(p).reads_with_query
+                modes = [r if guided or r == "surprisal" else "plain" for r in readings]
                 for r in dict.fromkeys(modes):
                     for layout in layouts:
                         label = label_of(p, c, r, layout)

@@ -109,6 +109,10 @@ class SequencePool:
                 f"{int(self.spec.budget.value)}, not {budget}"
             )
         chosen = make_policy(policy) if policy is not None else self.spec.make_policy()
+        if not chosen.evicts:  # its sequence would fill the context the others share, failing theirs
+            raise AhakvError(
+                f"kv_policy {chosen.name} keeps every token: with several sequences each holds at most its budget"
+            )
         self.controllers[0].check_budget(budget, chosen)
         return budget, chosen
 

@@ -78,7 +78,11 @@ def plot_longdoc(trials: list[LongdocTrial], path: Path, title: str = "") -> Pat
     for i, label in enumerate(labels):
         for j, (task, n) in enumerate(columns):
             grid[i, j] = means.get((label, task, n), np.nan)
-    fig, ax = plt.subplots(figsize=(1.6 + 0.9 * len(columns), 1.2 + 0.4 * len(labels)))
+    # wide enough for the row labels (8 pt: ~0.07 in a character), the cells, the colour bar and the title: at one
+    # column the labels and the title were cut ("otive" for "...+query adaptive")
+    title = title or "long documents: mean score"
+    width = max(0.07 * max(map(len, labels)) + 0.9 * len(columns) + 1.8, 0.085 * len(title) + 0.6)
+    fig, ax = plt.subplots(figsize=(width, 1.2 + 0.4 * len(labels)))
     im = ax.imshow(grid, cmap="viridis", vmin=0, vmax=1, aspect="auto")
     for i in range(len(labels)):
         for j in range(len(columns)):
@@ -88,7 +92,7 @@ def plot_longdoc(trials: list[LongdocTrial], path: Path, title: str = "") -> Pat
     ax.set_xticks(range(len(columns)), [f"{task}\n{n}" for task, n in columns], fontsize=8)
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     fig.colorbar(im, ax=ax, label="mean score")
-    ax.set_title(title or "long documents: mean score", fontsize=10)
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

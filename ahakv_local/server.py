@@ -46,7 +46,7 @@ from .budget import Budget
 from .errors import AhakvError
 from .llama import Llama, Stopped, llama_response_format
 from .parallel import Generation, Sampling, SequencePool, prompt_of
-from .policies import make_policy
+from .policies import POLICIES, Policy, make_policy
 
 log = logging.getLogger("ahakv_local.server")
 
@@ -298,6 +298,20 @@ def usage_chunk(last: dict, usage: dict) -> dict:
     return {**{k: last[k] for k in ("id", "object", "created", "model")}, "choices": [], "usage": usage}
 
 
+def check_kv_query(query: bool | str | None, policy: Policy | None) -> None:
+    """Refuse a request's kv_query that nothing would read (a 200 that dropped it, as the CLI refuses --query): any
+    without a budget, a question or a reconstruction with a policy that has no question score. surprisal reads with
+    any policy."""
+    if query is None or query is False:
+        return
+    if policy is None:
+        raise AhakvError("this server runs without a KV budget: kv_query is not available")
+    if query != "surprisal" and not policy.reads_with_query:
+        readers = ", ".join(name for name, cls in POLICIES.items() if cls.reads_with_query)
+        shown = json.dumps(query) if len(json.dumps(query)) <= 40 else "a question"
+        raise AhakvError(f"kv_query {shown} needs a policy that reads with a question ({readers}), not {policy.name}")
+
+
 def sampling_of(req: KVFields, limit: int) -> dict:
     """The sampling arguments of a request (``max_tokens`` 0, null or above ``limit`` is cut to it)."""
     kw = {
@@ -421,6 +435,8 @@ class SerialRunner:
     def settings(self, req: KVFields):
         """Apply a request's kv_budget / kv_policy once both pass every check; restore the server's after."""
         kv = self.llm.kv_controller
+        asked = make_policy(req.kv_policy) if req.kv_policy is not None else kv.policy if kv is not None else None
+        check_kv_query(req.kv_query, asked)
         if req.kv_budget is None and req.kv_policy is None:
             yield
             return
@@ -532,6 +548,7 @@ class ParallelRunner:
             budget = None
             if req.kv_budget is not None:
                 budget = Budget.parse(req.kv_budget)
+            check_kv_query(req.kv_query, self.pool.check(budget, req.kv_policy)[1])
             sampling = Sampling(
                 max_tokens=kw["max_tokens"],
                 temperature=req.temperature,

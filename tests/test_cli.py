@@ -322,6 +322,16 @@ def test_bad_option_values_are_one_line(fixture_model):
         ),
         (["chat", "", "--top-p", "2"], r"error: Invalid value for '--top-p': 2.0 is not in the range 0<=x<=1", 2),
         (["chat", "", "--top-k", "-5"], r"error: Invalid value for '--top-k': -5 is not in the range x>=0", 2),
+        # budgets that measure nothing: they ran and reported a "compression" below 1x; a fraction of the longest
+        # needle prompt was applied to every length
+        (["eval", "ppl", "--tokens", "400", "--budgets", "5000"], r"error: budget 5000 cells exceeds the model's", 1),
+        (
+            ["eval", "ppl", "--tokens", "400", "--budgets", "128,500"],
+            r"error: budget 500 cells holds the whole text \(400 tokens\): nothing is evicted$",
+            1,
+        ),
+        (["eval", "needle", "--budgets", "9000"], r"error: budget 9000 cells exceeds the model's trained context", 1),
+        (["eval", "needle", "--budgets", "0.25"], r"error: eval needle budgets are cells: for a share of each", 1),
         # an answer without end (-n 0 and -1 generated on toward the trained context)
         (["chat", "", "-n", "0"], r"error: Invalid value for '-n' / '--n-predict': 0 is not in the range x>=1", 2),
         # these two failed after the runs before them (the full cache's, the speed benchmark), their results lost

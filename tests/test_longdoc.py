@@ -140,6 +140,7 @@ def test_compressions_and_the_configurations_per_length():
     for bad in ("0.5", "x", "inf", "-4"):
         with pytest.raises(ValueError):
             parse_compressions(bad)
+    assert parse_compressions("4,4x,8") == [4.0, 8.0]  # each once: "4,4x" ran twice into one row
     rule = specs_rule(["h2o", "ahakv"], [4, 8], ["plain", "query"], n_sink=4, n_recent=16)
     specs = rule(2048)
     # h2o cannot be guided by a question, so it reads plainly once
@@ -151,6 +152,12 @@ def test_compressions_and_the_configurations_per_length():
     assert [s.reading for s in specs] == ["plain", "plain", "plain", "query", "plain", "plain", "query"]
     assert {s.n_recent for s in specs[1:]} == {16}
     assert [str(s.budget) for s in rule(1000)[1:3]] == ["250 cells", "250 cells"]
+    # surprisal needs no question: every policy reads by it (h2o's was run plainly, or not at all when alone)
+    read = specs_rule(["h2o", "ahakv"], [4], ["surprisal", "reconstruct"])(2048)
+    assert [(s.label, s.reading) for s in read] == [
+        ("full", "plain"), ("h2o@4x+surprisal", "surprisal"), ("h2o@4x", "plain"),
+        ("ahakv@4x+surprisal", "surprisal"), ("ahakv@4x+reconstruct", "reconstruct"),
+    ]  # fmt: skip
     # each configuration in each layout, named outside the shared pool; the cells are the layout's full layers'
     laid = specs_rule(["ahakv"], [8], ["query"], ["shared", "adaptive"])(2048)
     assert [(s.label, s.layer_budgets, str(s.budget)) for s in laid] == [
@@ -271,3 +278,26 @@ def test_gemma_full_cache_solves_the_single_task_at_2048_tokens(gemma_model):
     assert [(t.label, t.length, t.depth) for t in trials] == [("full", 2048, d) for d in (0.1, 0.5, 0.9)]
     assert all(t.peak_cells >= 2048 and t.prompt_seconds > 0 for t in trials)
     assert all(t.solved and t.answer.startswith(t.expected) for t in trials), [(t.expected, t.answer) for t in trials]
+
+
+def test_the_heatmap_shows_every_label_whole(tmp_path, monkeypatch):
+    """At one task and one length the figure was ~2.5 inches wide: the row labels and the title were cut."""
+    import matplotlib.pyplot as plt
+
+    from ahakv_local.plots import plot_longdoc
+
+    shown = []
+    monkeypatch.setattr(plt, "close", shown.append)  # keep the figure to measure it
+    labels = ["full", "ahakv@4x+reconstruct adaptive", "snapkv@8x+surprisal natural"]
+    rows = [
+        LongdocTrial(x, x, NO_EVICTION, "plain", "single", 1024, 0.5, 0, "1", "", 1.0, True, 1, 1.0) for x in labels
+    ]
+    plot_longdoc(rows, tmp_path / "accuracy.png")
+    (fig,) = shown
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    for text in [*ax.get_yticklabels(), ax.title]:
+        extent = text.get_window_extent(renderer)
+        assert box.x0 <= extent.x0 and extent.x1 <= box.x1, text.get_text()
+    plt.close(fig)

@@ -541,6 +541,17 @@ def test_per_request_question_guides_a_long_prompt(client, server):
     assert guided_tokens(True) == question  # the prompt's last paragraph is the same question
     status, body = call(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "kv_query": 5})
     assert status == 400 and "kv_query" in body["error"]["message"]
+    # a question or a reconstruction a policy cannot read was a 200 that dropped it (guide_tokens 0); surprisal
+    # reads with any policy
+    for query in ("reconstruct", "Who may copy the program?"):
+        status, body = call(server, "/v1/completions", {"prompt": "x", "kv_policy": "h2o", "kv_query": query})
+        assert status == 400 and "needs a policy that reads with a question (" in body["error"]["message"], body
+    assert (
+        call(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "kv_policy": "h2o", "kv_query": "surprisal"})[
+            0
+        ]
+        == 200
+    )
 
 
 def test_a_chat_request_asking_kv_query_true_is_guided_by_its_last_user_message(client, server):

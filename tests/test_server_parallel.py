@@ -15,11 +15,13 @@ import threading
 import urllib.request
 
 import numpy as np
+import pytest
 from test_server import call, start_server, stop_server
 
 from ahakv_local.budget import Budget
 from ahakv_local.controller import ControllerConfig, KVController, step_batch
 from ahakv_local.engine import Engine, EngineConfig
+from ahakv_local.errors import AhakvError
 from ahakv_local.llama import Llama
 from ahakv_local.native import TapFlag
 from ahakv_local.parallel import Generation, Sampling, SequencePool
@@ -171,6 +173,18 @@ def test_a_finished_request_frees_its_cells_at_once(fixture_model, license_text)
         # the request's own figures: its prompt and every generated token but the last (sampled, never decoded)
         assert not figures["active"] and figures["tokens_seen"] == 90 + 3 - 1
         assert figures["evicted"] == figures["tokens_seen"] - figures["cells_used"] > 0
+
+
+def test_a_request_keeping_every_token_is_refused(fixture_model):
+    """kv_policy "full" in one slot filled the context the other sequences share: its own request ended in a 500
+    ("the KV cache is full") and another client's ordinary request in a 400 that blamed it."""
+    spec = SessionSpec.bounded("h2o", 48, n_recent=8, reading="plain")
+    with Engine(fixture_model, EngineConfig(n_ctx=256, n_batch=CHUNK, n_ubatch=CHUNK, n_seq=2)) as e:
+        pool = SequencePool(e, spec)
+        gen = Generation(e.tokenize("a few words"), Sampling(max_tokens=3), lambda t, f: None, policy="full")
+        with pytest.raises(AhakvError, match="kv_policy full keeps every token: with several sequences each holds"):
+            pool.start(gen)
+        assert not pool.active
 
 
 def test_a_request_stopped_while_its_prompt_is_read_ends_before_the_next_chunk(fixture_model, license_text):
