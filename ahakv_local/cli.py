@@ -102,14 +102,14 @@ kv_type_option = click.option(  # the commands that load a model, and info, whic
 def check_query_reading(engine: dict) -> None:
     """--query guides the reading of a prompt longer than the budget: refused where nothing would read it (no budget,
     another reading, a policy without a question score)."""
-    from .policies import POLICIES, make_policy
+    from .policies import make_policy, query_readers
 
     if engine["reading"] != "query":
         raise AhakvError(f"--query guides a reading; it cannot be combined with --reading {engine['reading']}")
     if engine["budget"] is None:
         raise AhakvError("--query guides the reading of a prompt longer than the budget: give a --budget too")
     if not make_policy(engine["policy"]).reads_with_query:  # (an unknown name: refused by make_policy)
-        readers = ", ".join(name for name, cls in POLICIES.items() if cls.reads_with_query)
+        readers = query_readers()
         raise AhakvError(f"--query needs a policy that reads with a question ({readers}), not {engine['policy']}")
 
 

@@ -166,12 +166,9 @@ def _cells(budgets: str, n_tokens: int, floor: int) -> list[int]:
     return list(dict.fromkeys(cells))  # each once: a budget named twice ran twice into one row
 
 
-def _below_trained(model: Path, cells: list[int]) -> None:
-    """Refuse a budget of more cells than the model has positions, as generate does (it ran, and reported a
-    "compression" below 1x)."""
-    from .info import read_info
-
-    trained = read_info(model).n_ctx_train
+def _below_trained(cells: list[int], trained: int) -> None:
+    """Refuse a budget of more cells than the model has positions (``trained``), as generate does (it ran, and
+    reported a "compression" below 1x)."""
     if max(cells) > trained:
         raise AhakvError(f"budget {max(cells)} cells exceeds the model's trained context of {trained} positions")
 
@@ -274,7 +271,7 @@ def eval_ppl(
     )
     floor = sinks + recent + (step if step > 1 else evict_every or 1)  # a fraction of a short text: at least this
     cells = _cells(budgets, len(ids), floor)
-    _below_trained(path, cells)
+    _below_trained(cells, info.n_ctx_train)
     if max(cells) >= len(ids):
         raise AhakvError(f"budget {max(cells)} cells holds the whole text ({len(ids)} tokens): nothing is evicted")
     ablated = cells if ablations else _cells(ablations_at, len(ids), floor) if ablations_at else []
@@ -342,7 +339,9 @@ def eval_needle(
     cells = _cells(budgets, max(lens), floor)
     if min(cells) < floor:
         raise AhakvError(f"a budget is smaller than sinks + recent + newest ({floor})")
-    _below_trained(path, cells)
+    from .info import read_info
+
+    _below_trained(cells, read_info(path).n_ctx_train)
     from .session import SessionSpec
 
     schedule = dict(n_sink=sinks, n_recent=recent)
@@ -572,8 +571,8 @@ def bench_speed(
     if any(c < 1 for c in long_points):
         raise AhakvError(f"--long-context checkpoints must be at least 1 token, not {long_context!r}")
     evict_every, observe = parse_schedule(evict_every, observe_steps)
+    trained = read_info(path).n_ctx_train
     if long_points:  # the long run's policy and budget fail now, not after the speed runs
-        trained = read_info(path).n_ctx_train
         long_spec = SessionSpec.bounded(
             long_policy,
             long_budget or budget,
@@ -603,7 +602,6 @@ def bench_speed(
     with _bar("bench speed (engine)", runs) as bar:
         bar.unit = "run"
         core = engine_speed_at_budget(path, ids, setup, progress=lambda _: bar.update(1))
-    trained = read_info(path).n_ctx_train
     memory_context = memory_context or trained
     for rows in (app, core):
         memory_at(path, rows, memory_context, BATCH)  # the runs' n_ubatch

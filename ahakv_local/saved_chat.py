@@ -143,22 +143,22 @@ def _how_to_load(meta: dict, llm) -> str:
 def _is_saved_chat(path: Path) -> bool:
     """Whether ``path`` is a saved chat of any version (its metadata only)."""
     try:
-        with zipfile.ZipFile(path) as z:
-            info = z.getinfo("chat.json")
-            meta = json.loads(z.read(info)) if info.file_size <= MAX_META_BYTES else None
-    except (zipfile.BadZipFile, KeyError, UnicodeDecodeError, json.JSONDecodeError, OSError):
+        _read(path, state=False)
+    except AhakvError:
         return False
-    return isinstance(meta, dict) and meta.get("format") == FORMAT
+    return True
 
 
-def _read(path: Path) -> tuple[dict, bytes]:
+def _read(path: Path, state: bool = True) -> tuple[dict, bytes]:
+    """A saved chat's metadata and state bytes, checked to be this version's (``state`` False: its metadata only, of
+    any version)."""
     try:
         with zipfile.ZipFile(path) as z:
             info = z.getinfo("chat.json")
             if info.file_size > MAX_META_BYTES:
                 raise AhakvError(f"{path} is not a saved ahakv-local chat (its metadata is too large)")
             meta = json.loads(z.read(info).decode("utf-8"))
-            blob = z.read("state.bin")
+            blob = z.read("state.bin") if state else b""
     except FileNotFoundError:
         raise AhakvError(f"no such file: {path}") from None
     except IsADirectoryError:
@@ -167,7 +167,7 @@ def _read(path: Path) -> tuple[dict, bytes]:
         raise AhakvError(f"{path} is not a saved ahakv-local chat ({exc.__class__.__name__})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise AhakvError(f"{path} is not a saved ahakv-local chat")
-    if meta.get("version") != VERSION:
+    if state and meta.get("version") != VERSION:
         raise AhakvError(f"{path} was saved by another version of ahakv-local (format {meta.get('version')!r})")
     return meta, blob
 

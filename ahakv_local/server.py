@@ -46,7 +46,7 @@ from .budget import Budget
 from .errors import AhakvError
 from .llama import Llama, Stopped, llama_response_format
 from .parallel import Generation, Sampling, SequencePool, prompt_of
-from .policies import POLICIES, Policy, make_policy
+from .policies import Policy, make_policy, query_readers
 
 log = logging.getLogger("ahakv_local.server")
 
@@ -307,9 +307,11 @@ def check_kv_query(query: bool | str | None, policy: Policy | None) -> None:
     if policy is None:
         raise AhakvError("this server runs without a KV budget: kv_query is not available")
     if query != "surprisal" and not policy.reads_with_query:
-        readers = ", ".join(name for name, cls in POLICIES.items() if cls.reads_with_query)
-        shown = json.dumps(query) if len(json.dumps(query)) <= 40 else "a question"
-        raise AhakvError(f"kv_query {shown} needs a policy that reads with a question ({readers}), not {policy.name}")
+        shown = json.dumps(query)
+        shown = shown if len(shown) <= 40 else "a question"
+        raise AhakvError(
+            f"kv_query {shown} needs a policy that reads with a question ({query_readers()}), not {policy.name}"
+        )
 
 
 def sampling_of(req: KVFields, limit: int) -> dict:
@@ -435,8 +437,8 @@ class SerialRunner:
     def settings(self, req: KVFields):
         """Apply a request's kv_budget / kv_policy once both pass every check; restore the server's after."""
         kv = self.llm.kv_controller
-        asked = make_policy(req.kv_policy) if req.kv_policy is not None else kv.policy if kv is not None else None
-        check_kv_query(req.kv_query, asked)
+        asked = make_policy(req.kv_policy) if req.kv_policy is not None else None
+        check_kv_query(req.kv_query, asked if asked is not None else kv.policy if kv is not None else None)
         if req.kv_budget is None and req.kv_policy is None:
             yield
             return
@@ -447,8 +449,8 @@ class SerialRunner:
         if req.kv_budget is not None:  # with the server's auto-budget parameters
             s = saved_budget
             budget = Budget.parse(req.kv_budget, min_ratio=s.min_ratio, max_ratio=s.max_ratio, error_tol=s.error_tol)
-        if req.kv_policy is not None:
-            policy = make_policy(req.kv_policy)
+        if asked is not None:
+            policy = asked
         kv.check_budget(budget, policy)  # nothing has changed yet
         try:  # every group's eviction target too, not only the configured budget
             kv.configure(budget, policy)

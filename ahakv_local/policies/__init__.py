@@ -22,6 +22,11 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
+def query_readers() -> str:
+    """The policies a question can guide while a long prompt is read, named for a refusal ("tova, snapkv, ahakv")."""
+    return ", ".join(name for name, cls in POLICIES.items() if cls.reads_with_query)
+
+
 def make_policy(name: str, **params) -> Policy:
     """A fresh policy by registry name, e.g. make_policy("ahakv", error_model=False)."""
     try:
@@ -31,4 +36,4 @@ def make_policy(name: str, **params) -> Policy:
     return cls(**params)
 
 
-__all__ = ["POLICIES", "Observation", "Policy", "holistic_sum", "make_policy"]
+__all__ = ["POLICIES", "Observation", "Policy", "holistic_sum", "make_policy", "query_readers"]
