@@ -432,8 +432,16 @@ class KVController:
             if g.window:  # llama.cpp may have given the query cells of positions that left the window
                 now = g.read_live(e)
                 if now.size != g.live.size:
-                    scores[i] = scores[i][np.isin(g.live, now)]
-                    g.live = now
+                    kept = np.isin(g.live, now)
+                    scores[i] = scores[i][kept]
+                    # the span's observation stays the group's evidence, on the positions left: the statistics were
+                    # reset with the question's, so _evict would re-read zeros (the policy's own score and adaptive's
+                    # fill of these layers then came from nothing)
+                    if g.obs is not None and g.obs.positions is g.live:
+                        g.obs = g.obs.subset(kept)
+                        g.live = g.obs.positions
+                    else:
+                        g.live = now
         return scores
 
     def _fitting_tail(self, query: Sequence[int], least: int = 8) -> list[int]:

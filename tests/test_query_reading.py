@@ -12,6 +12,8 @@ from ahakv_local.budget import QUERY_TOKENS, Budget, guide_room
 from ahakv_local.controller import KVController, Reconstruct
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.errors import AhakvError
+from ahakv_local.fixture import FixtureSpec
+from ahakv_local.models import fixture_path
 from ahakv_local.needle import NEEDLE, QUESTION, build_prompt
 from ahakv_local.session import SessionSpec, open_session
 from ahakv_local.words import not_space
@@ -82,6 +84,40 @@ def test_reading_a_query_leaves_the_policy_and_the_cache_as_they_were(fixture_mo
         assert np.array_equal(s.engine.cell_positions(), cells) and s.engine.n_past == len(prompt)
         s.controller.step(prompt[-1])  # and decoding goes on at the next position
         assert s.engine.live_positions()[-1] == len(prompt)
+
+
+@pytest.mark.parametrize("layout", ["natural", "adaptive"])
+def test_a_guided_read_evicts_a_sliding_group_by_its_own_statistics(license_text, layout):
+    """The question's decode may take cells of positions that left the sliding window (llama.cpp reuses them), and
+    its statistics are reset with it: the group's eviction then still scores by what the span's last chunk saw,
+    never by a re-read of the emptied counters (a score of zeros, and adaptive's fill of 0 for these layers).
+    Every observed row puts mass 1 per head on the positions it sees, so an observation of the span is never zero."""
+    model = fixture_path(FixtureSpec(arch="gemma3"))  # layer 0 slides over 24 positions
+    prompt = tokens_of(model, license_text, 400)
+    spec = SessionSpec.bounded("ahakv", 64, reading="query", layer_budgets=layout)
+    with open_session(model, spec, longest=len(prompt), n_ubatch=16) as s:
+        ctl = s.controller
+        reused, scored = [], []
+        read_query, score = ctl.read_query, ctl.groups[0].policy.__class__.score
+
+        def spy_read(query):
+            before = [g.live.size for g in ctl.groups]
+            out = read_query(query)
+            reused.append(any(g.live.size < n for g, n in zip(ctl.groups, before, strict=True)))
+            return out
+
+        def spy_score(policy, obs):
+            scored.append(float(obs.attn.sum()))
+            return score(policy, obs)
+
+        ctl.read_query = spy_read
+        ctl.groups[0].policy.__class__.score = spy_score
+        try:
+            s.read(prompt, s.engine.tokenize(QUESTION_TEXT, add_bos=False))
+        finally:
+            ctl.groups[0].policy.__class__.score = score
+        assert any(reused)  # the case at stake happened
+        assert scored and min(scored) > 0
 
 
 def test_reconstruction_scores_every_chunk_and_keeps_the_best(fixture_model, license_text):

@@ -42,6 +42,23 @@ class Observation:
     def n(self) -> int:
         return self.positions.size
 
+    def subset(self, keep: np.ndarray) -> Observation:
+        """The same statistics on the positions ``keep`` (bool [n]) selects."""
+
+        def cut(x: np.ndarray | None) -> np.ndarray | None:
+            return None if x is None else x[..., keep]
+
+        return dataclasses.replace(
+            self,
+            positions=self.positions[keep],
+            visible=self.visible[:, keep],
+            attn=cut(self.attn),
+            side=cut(self.side),
+            verr=cut(self.verr),
+            vnorm=cut(self.vnorm),
+            words=cut(self.words),
+        )
+
     @cached_property
     def head_entropy(self) -> np.ndarray:
         """float64 [L, H]: the entropy of each head's ``attn`` over the positions its layer sees (the mass of each
