@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,10 +23,11 @@ import click
 from . import upstream
 from .budget import Budget
 from .errors import AhakvError
-from .llama import Llama
+from .llama import Llama, Stopped
 from .paths import cache_dir
 from .policies import POLICIES, make_policy
 from .saved_chat import load_chat, save_chat
+from .textfile import read_text
 
 HELP = """commands:
   /help             this text
@@ -175,16 +177,12 @@ class ChatSession:
         self._pin_system_prompt()
         return f"loaded {len(messages)} messages, {self.llm.kv_stats().cells_used} cached tokens"
 
-    def read_document(self, path: Path) -> str:
+    def read_document(self, path: Path, stop: Callable[[], bool] = lambda: False) -> str:
         """Put a document into the conversation now, before any question about it: it is read through the
         bounded cache question-agnostically (reconstruction, or surprisal for a policy no question can guide), so
-        what is kept serves the questions to come."""
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except OSError as exc:
-            raise AhakvError(f"cannot read {path}: {exc.strerror}") from None
-        except UnicodeDecodeError as exc:
-            raise AhakvError(f"{path} is not UTF-8 text (byte {exc.start}): convert it first") from None
+        what is kept serves the questions to come. ``stop()`` ends the reading between two chunks (a first Ctrl-C):
+        the document is then not added, and the conversation is as before."""
+        text = read_text(path)
         if not text.strip():
             raise AhakvError(f"{path} is empty")
         added = [
@@ -201,12 +199,16 @@ class ChatSession:
             # a policy no question can guide reads it by surprisal (any policy can): better than plainly at 4x
             # (benchmarks/RESULTS.md, issue 12), the reconstruction stays for the others (better at 8x)
             llm.set_kv_query("reconstruct" if llm.kv_controller.policy.reads_with_query else "surprisal")
+        llm.should_stop = stop
         try:
             llm.eval(tokens[n:])
-        except (AhakvError, ValueError):
+        except (AhakvError, ValueError, Stopped) as exc:
             llm.reset()  # the history is read again with the next message; the conversation is unchanged
-            raise
+            if isinstance(exc, Stopped):
+                raise AhakvError(f"/read stopped: {path.name} was not added") from None
+            raise AhakvError(str(exc)) from None  # a document past the trained context is the user's, not a bug
         finally:
+            llm.should_stop = lambda: False
             llm.set_kv_query(False)
         self.messages += added
         s = llm.kv_stats()
@@ -311,7 +313,8 @@ def _repl(session: ChatSession) -> None:
             try:
                 if cmd in ("/exit", "/quit"):
                     return
-                msg = command(session, cmd, arg.strip())
+                with StopOnInterrupt() as stop:  # the first Ctrl-C stops a /read, a second one exits
+                    msg = command(session, cmd, arg.strip(), stop)
             except AhakvError as exc:
                 msg = f"error: {exc}"
             except Exception as exc:  # a bug must not end the session and lose the conversation
@@ -336,7 +339,8 @@ def kv_size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"  # (a test model's caches are KiB)
 
 
-def command(session: ChatSession, cmd: str, arg: str) -> str:
+def command(session: ChatSession, cmd: str, arg: str, stop: Callable[[], bool] = lambda: False) -> str:
+    """Run one /command; ``stop()`` (a first Ctrl-C) ends a long one, /read, early."""
     if cmd == "/help":
         return HELP
     if cmd == "/reset":
@@ -351,7 +355,7 @@ def command(session: ChatSession, cmd: str, arg: str) -> str:
     if cmd == "/read":
         if not arg:
             raise AhakvError("usage: /read FILE")
-        return session.read_document(Path(os.path.expanduser(arg)))
+        return session.read_document(Path(os.path.expanduser(arg)), stop)
     if cmd in ("/save", "/load"):
         if not arg:
             raise AhakvError(f"usage: {cmd} FILE")

@@ -6,7 +6,6 @@ User mistakes end in one line on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 
@@ -24,6 +23,7 @@ from .cli_eval import (
 from .errors import AhakvError
 from .extras import require
 from .info import KV_CACHE_TYPES
+from .textfile import read_stream, read_text
 
 BUDGETED_BATCH = 64  # prompt tokens per decode call under a budget: the cache stays within one chunk of it
 
@@ -216,13 +216,6 @@ class PolicyOption(click.Option):
 Positive = click.IntRange(min=1)
 
 
-def utf8(data: bytes, where: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise AhakvError(f"{where} is not UTF-8 text (byte {exc.start}): convert it first, e.g. with iconv") from None
-
-
 def check_model(path, batch_size: int | None) -> None:
     """One-line errors before llama.cpp reads the model: an unsupported architecture, a batch past the trained context
     (llama-cpp-python holds batch x vocabulary logits: Gemma 3's --batch-size 100000 asked for 97.7 GiB)."""
@@ -343,18 +336,12 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
         raise AhakvError("-n/--n-predict must be at least 1")
     source = "the prompt"
     if prompt is None:
-        if prompt_file == "-":  # the usual name of standard input
+        if prompt_file == "-" or (not prompt_file and not sys.stdin.isatty()):  # "-": the usual name of stdin
             source = "standard input"
-            prompt = utf8(sys.stdin.buffer.read(), source)
+            prompt = read_stream(sys.stdin.buffer, source)
         elif prompt_file:
             source = prompt_file
-            try:
-                prompt = utf8(Path(prompt_file).read_bytes(), prompt_file)
-            except OSError as exc:
-                raise AhakvError(f"cannot read {prompt_file}: {exc.strerror}") from None
-        elif not sys.stdin.isatty():
-            source = "standard input"
-            prompt = utf8(sys.stdin.buffer.read(), source)
+            prompt = read_text(prompt_file)
         else:
             raise AhakvError("give a prompt with -p, --file or on standard input")
     if not prompt.strip():  # llama-cpp-python would continue from nothing but the BOS token

@@ -15,6 +15,7 @@ import click
 from .errors import AhakvError
 from .extras import require
 from .info import KV_CACHE_TYPES
+from .textfile import read_text
 
 Count = click.IntRange(min=0)  # click reports a value outside the range in one line, with the option's name
 Positive = click.IntRange(min=1)
@@ -95,13 +96,6 @@ def _bar(desc: str, total: int):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="tok", leave=False, dynamic_ncols=True)
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise AhakvError(f"cannot read {path}: {exc.strerror}") from None
 
 
 def _out(out_dir: str) -> Path:
@@ -252,7 +246,7 @@ def eval_ppl(
     rpc_servers = parse_rpc(rpc)
     out = _out(out_dir)
     path = _model(model)
-    ids = text_tokens(path, _read(text_file))[:tokens]
+    ids = text_tokens(path, read_text(text_file))[:tokens]
     if len(ids) <= prefix + 1:
         raise AhakvError(f"{text_file} has only {len(ids)} tokens; need more than --prefix {prefix}")
     if not 1 <= step <= 64:
@@ -329,7 +323,7 @@ def eval_needle(
     rpc_servers = parse_rpc(rpc)
     out = _out(out_dir)
     path = _model(model)
-    filler = _read(filler_file)
+    filler = read_text(filler_file)
     lens, deps = _lengths_and_depths(lengths, depths)
     floor = sinks + recent + 1
     from .budget import Budget
@@ -443,7 +437,7 @@ def eval_longdoc(
     if trained and max(lens) + answer > trained:
         raise AhakvError(f"length {max(lens)} (+{answer} answer tokens) is past the model's trained context {trained}")
     files = [str(f) for f in filler_files] or [str(p) for p in default_filler_files()]
-    texts = [_read(f) for f in files]
+    texts = [read_text(f) for f in files]
     rule = specs_rule(names, factors, readings, layouts, n_sink=sinks, n_recent=recent)
     n_items = len(task_list) * len(deps) * trials
     with _bar("eval longdoc", sum(len(rule(n)) for n in lens) * n_items) as bar:
@@ -582,7 +576,7 @@ def bench_speed(
         )
         long_spec.check_floor_on(path, BATCH, trained)
     files = list(text_files) or sorted(str(p) for p in LICENSES.iterdir() if not p.is_symlink())
-    ids = text_tokens(path, "\n".join(_read(f) for f in files))
+    ids = text_tokens(path, "\n".join(read_text(f) for f in files))
     setup = SpeedSetup(
         budget,
         tuple(names),

@@ -51,7 +51,8 @@ def kv_cache_kind(llm) -> dict[str, Any]:
 def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None:
     """Write the conversation and its cache; a half-written file never replaces a good one, and a file that is not
     a saved chat (a user's notes given by mistake) is never replaced at all."""
-    if path.is_file() and not _is_saved_chat(path):
+    # a device or a pipe is no saved chat either (/save /dev/null, as root, replaced the device with a file)
+    if path.exists() and not path.is_dir() and not (path.is_file() and _is_saved_chat(path)):
         raise AhakvError(f"{path} exists and is not a saved chat: not replaced (give another name)")
     state = llm.save_state()
     meta = {
@@ -152,6 +153,8 @@ def _is_saved_chat(path: Path) -> bool:
 def _read(path: Path, state: bool = True) -> tuple[dict, bytes]:
     """A saved chat's metadata and state bytes, checked to be this version's (``state`` False: its metadata only, of
     any version)."""
+    if path.exists() and not (path.is_file() or path.is_dir()):  # a device, a pipe: read to its end, or forever
+        raise AhakvError(f"{path} is not a saved ahakv-local chat (not a regular file)")
     try:
         with zipfile.ZipFile(path) as z:
             info = z.getinfo("chat.json")

@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import signal
+import stat
 import sys
 import zipfile
 
@@ -206,6 +207,24 @@ def test_save_never_replaces_a_file_that_is_not_a_saved_chat(chat, tmp_path):
     talk(chat, "more")
     command(chat, "/save", str(saved))  # a saved chat is replaced by the newer one, as an editor saves
     assert len(json.loads(zipfile.ZipFile(saved).read("chat.json"))["messages"]) == len(chat.messages)
+
+
+def test_a_device_or_a_pipe_is_neither_replaced_by_save_nor_read_by_load(chat, tmp_path):
+    """As root, /save /dev/null replaced the device with a file; /load /dev/zero read until the memory ran out."""
+    talk(chat, "hello")
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    before = list(chat.messages)
+    for path in (pipe, "/dev/null"):
+        with pytest.raises(AhakvError, match=r"exists and is not a saved chat: not replaced"):
+            command(chat, "/save", str(path))
+    assert stat.S_ISFIFO(os.stat(pipe).st_mode) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    for path in (pipe, "/dev/zero"):
+        with pytest.raises(AhakvError, match=r"is not a saved ahakv-local chat \(not a regular file\)"):
+            command(chat, "/load", str(path))
+    with pytest.raises(AhakvError, match=r"/dev/zero is over 64 MiB"):
+        command(chat, "/read", "/dev/zero")
+    assert chat.messages == before
 
 
 def test_a_save_that_cannot_be_written_is_one_line_and_leaves_nothing_behind(chat, tmp_path):

@@ -411,6 +411,20 @@ def test_text_that_is_not_utf8(fixture_model, tmp_path):
     assert_one_line_error(
         ahakv("generate", str(fixture_model), stdin=b"\xff\xfe bad"), r"error: standard input is not UTF-8 text"
     )
+    # the measuring commands measured U+FFFD in place of each bad byte
+    out = str(tmp_path / "out")
+    for command in (
+        ("eval", "ppl", "--text", str(latin1), "--budgets", "64", "--policies", "streaming", "--out", out),
+        ("eval", "longdoc", "--filler", str(latin1), "--lengths", "1024", "--depths", "0.5", "--out", out),
+    ):
+        assert_one_line_error(ahakv(*command[:2], str(fixture_model), *command[2:]), r"error: .*latin1\.txt is not UTF-8")
+
+
+def test_a_text_without_end_is_refused_not_read_until_memory_runs_out(fixture_model):
+    """/dev/zero would be read to the end: a text is at most 64 MiB, far more than a context holds."""
+    assert_one_line_error(
+        ahakv("generate", str(fixture_model), "-f", "/dev/zero"), r"error: /dev/zero is over 64 MiB: more text than"
+    )
 
 
 def test_a_prompt_past_the_trained_context(fixture_model):

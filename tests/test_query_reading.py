@@ -269,6 +269,11 @@ def test_the_drop_in_reads_a_long_prompt_with_its_question(fixture_model, licens
         llm.create_completion(f"{other}\n\nThe version is", max_tokens=2, temperature=0, kv_query="surprisal")
         assert seen == [] and ctl.groups[0].best[ctl.live].max() > 0  # scored by surprisal, no question decoded
         assert np.array_equal(llm.kv_engine.live_positions(), ctl.live)
+        seen.clear()  # OpenAI's content parts: their text (it was the rendered template's last paragraph)
+        parts = [{"type": "text", "text": document}, {"type": "text", "text": "Which version is this?"}]
+        llm.create_chat_completion(messages=[{"role": "user", "content": parts}], max_tokens=2, temperature=0)
+        joined = llm.tokenize(f"{document}\nWhich version is this?".encode(), add_bos=False, special=False)
+        assert seen and seen[0] == joined[-QUERY_TOKENS:]
         with pytest.raises(AhakvError, match="kv_query must be a question's text, True, False"):  # was AttributeError
             llm.create_completion("The version is", max_tokens=2, kv_query=123)
     with pytest.raises(AhakvError, match="kv_query"):
@@ -309,6 +314,32 @@ def test_chat_reads_a_document_before_the_question(fixture_model, license_text, 
         s.answer("Which version?", open(os.devnull, "w"))  # the next turn continues the compressed history:
         assert llm.kv_stats().prompt_tokens == len(asked) - n  # only the question is decoded, nothing read again
         assert llm.kv_stats().tokens_seen > n and llm._kv_guide is None
+
+
+def test_a_stopped_or_too_long_read_leaves_the_chat_as_it_was(fixture_model, license_text, tmp_path):
+    """The first Ctrl-C during /read stops it between two chunks (the chat goes on, the document not added); a
+    document past the model's trained context (the fixture's 4,096 positions, about a character per token) is a
+    user's mistake, one line, not a failure of the command."""
+    from ahakv_local.chat import ChatSession, command
+
+    doc, long_doc = tmp_path / "license.txt", tmp_path / "long.txt"
+    doc.write_text(license_text[:1500])
+    long_doc.write_text(license_text[:6000])
+    with Llama(str(fixture_model), kv_budget=128, kv_reuse_compressed=True, n_batch=64, verbose=False) as llm:
+        s = ChatSession(llm, "You are terse.", max_tokens=4, temperature=0.0)
+        asked = iter(range(100))
+        chunks = []
+        real = llm.kv_controller.read_piece
+        llm.kv_controller.read_piece = lambda *a: chunks.append(1) or real(*a)
+        before = list(s.messages)
+        with pytest.raises(AhakvError, match=r"^/read stopped: license.txt was not added$"):
+            command(s, "/read", str(doc), stop=lambda: next(asked) >= 3)  # asked before the 1st chunk, then per chunk
+        assert len(chunks) == 3 < -(-1500 // 64) and s.messages == before and llm.should_stop() is False
+        with pytest.raises(AhakvError, match=r"^Requested tokens \(\d+\) exceed the model's trained context of 4096"):
+            command(s, "/read", str(long_doc))
+        assert s.messages == before
+        assert command(s, "/read", str(doc)).startswith("read license.txt:")  # and the chat goes on
+        assert len(s.messages) == len(before) + 2
 
 
 def test_chat_reads_a_document_by_surprisal_with_a_policy_no_question_guides(fixture_model, license_text, tmp_path):

@@ -1,0 +1,36 @@
+"""Reading a user's text (``generate -f``, chat's ``/read``, the eval commands' texts): one owner for what a text
+file may be. A pipe or ``<(command)`` is a file too; what is not text, or has no end, is one line of error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import BinaryIO
+
+from .errors import AhakvError
+
+# far more text than any model's context holds (a million tokens of English is ~4 MiB); /dev/zero would otherwise be
+# read until the memory runs out
+MAX_TEXT_BYTES = 64 << 20
+
+
+def decode(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise AhakvError(f"{where} is not UTF-8 text (byte {exc.start}): convert it first, e.g. with iconv") from None
+
+
+def read_stream(stream: BinaryIO, where: str) -> str:
+    data = stream.read(MAX_TEXT_BYTES + 1)
+    if len(data) > MAX_TEXT_BYTES:
+        raise AhakvError(f"{where} is over {MAX_TEXT_BYTES >> 20} MiB: more text than a model's context holds")
+    return decode(data, where)
+
+
+def read_text(path: str | Path) -> str:
+    """The UTF-8 text of ``path``, or one line of error (missing, a folder, unreadable, not UTF-8, endless)."""
+    try:
+        with open(path, "rb") as f:
+            return read_stream(f, str(path))
+    except OSError as exc:
+        raise AhakvError(f"cannot read {path}: {exc.strerror or exc}") from None
