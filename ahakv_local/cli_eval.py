@@ -140,8 +140,11 @@ def _layer_budgets(layouts: str) -> tuple[str, ...]:
     from .budget import check_layer_budgets
 
     names = tuple(dict.fromkeys(n.strip() for n in layouts.split(",") if n.strip()))  # each once
-    for name in names or ("",):  # none named: refused as an empty name
-        check_layer_budgets(name)
+    try:
+        for name in names or ("",):  # none named: refused as an empty name
+            check_layer_budgets(name)
+    except AhakvError as exc:
+        raise bad_value("--layer-budgets", str(exc)) from None
     return names
 
 
@@ -167,15 +170,24 @@ def _below_trained(cells: list[int], trained: int) -> None:
         raise AhakvError(f"budget {max(cells)} cells exceeds the model's trained context of {trained} positions")
 
 
+def bad_value(option: str, message: str) -> click.BadParameter:
+    """A bad option value found past click's own types (a comma-separated list): exit code 2 and one line, as
+    click's are (README: a bad option value)."""
+    return click.BadParameter(message, param_hint=f"'{option}'")
+
+
 def _lengths_and_depths(lengths: str, depths: str) -> tuple[list[int], list[float]]:
     """--lengths '1024,2048' and --depths '0.1,0.5' checked: whole token counts, fractions in [0, 1]."""
     try:
         lens = [int(n) for n in lengths.split(",")]
+    except ValueError:
+        raise bad_value("--lengths", f"token counts, comma-separated, not {lengths!r}") from None
+    try:
         deps = [float(d) for d in depths.split(",")]
     except ValueError:
-        raise AhakvError("--lengths takes integers and --depths fractions, comma-separated") from None
+        raise bad_value("--depths", f"fractions, comma-separated, not {depths!r}") from None
     if any(not 0 <= d <= 1 for d in deps):
-        raise AhakvError("--depths must lie between 0 and 1")
+        raise bad_value("--depths", f"each must lie between 0 and 1, not {depths!r}")
     return list(dict.fromkeys(lens)), list(dict.fromkeys(deps))  # each once: a repeat ran its items twice
 
 
@@ -404,21 +416,21 @@ def eval_longdoc(
     task_list = list(dict.fromkeys(t.strip() for t in tasks.split(",") if t.strip()))
     unknown = [t for t in task_list if t not in TASKS]
     if unknown or not task_list:
-        raise AhakvError(f"unknown task {','.join(unknown)!r}; choose from {', '.join(TASKS)}")
+        raise bad_value("--tasks", f"unknown task {','.join(unknown)!r}; choose from {', '.join(TASKS)}")
     readings = list(dict.fromkeys(r.strip() for r in reading.split(",") if r.strip()))
     from .budget import READINGS
 
     if not readings or any(r not in READINGS for r in readings):
-        raise AhakvError(f"--reading takes {', '.join(READINGS)}, comma-separated, not {reading!r}")
+        raise bad_value("--reading", f"{', '.join(READINGS)}, comma-separated, not {reading!r}")
     lens, deps = _lengths_and_depths(lengths, depths)
     if min(lens) < 64:
-        raise AhakvError(f"a length must be at least 64 tokens, not {min(lens)}")
+        raise bad_value("--lengths", f"a length must be at least 64 tokens, not {min(lens)}")
     if trials < 1:
         raise AhakvError("--trials must be at least 1")
     try:
         factors = parse_compressions(compressions)
     except ValueError as exc:
-        raise AhakvError(str(exc)) from None
+        raise bad_value("--compressions", str(exc)) from None
     floor = sinks + recent + 1
     if any(int(n / c) < floor for n in lens for c in factors):
         raise AhakvError(f"a length / compression is smaller than sinks + recent + newest ({floor} cells)")

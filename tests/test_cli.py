@@ -417,7 +417,9 @@ def test_text_that_is_not_utf8(fixture_model, tmp_path):
         ("eval", "ppl", "--text", str(latin1), "--budgets", "64", "--policies", "streaming", "--out", out),
         ("eval", "longdoc", "--filler", str(latin1), "--lengths", "1024", "--depths", "0.5", "--out", out),
     ):
-        assert_one_line_error(ahakv(*command[:2], str(fixture_model), *command[2:]), r"error: .*latin1\.txt is not UTF-8")
+        assert_one_line_error(
+            ahakv(*command[:2], str(fixture_model), *command[2:]), r"error: .*latin1\.txt is not UTF-8"
+        )
 
 
 def test_a_text_without_end_is_refused_not_read_until_memory_runs_out(fixture_model):

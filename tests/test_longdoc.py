@@ -253,22 +253,26 @@ def test_eval_longdoc_runs_each_configuration_in_each_layout(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "args, message, code",
     [
-        (["--tasks", "single,summary"], "unknown task"),
-        (["--lengths", "300,abc"], "--lengths takes integers"),
-        (["--lengths", "5000"], "past the model's trained context 4096"),
-        (["--compressions", "0.5"], "at least 1"),
-        (["--reading", "skim"], "--reading takes"),
-        (["--depths", "1.5"], "between 0 and 1"),
-        (["--compressions", "16"], "smaller than sinks + recent"),
-        (["--layer-budgets", "flat"], "layer budgets must be shared, natural"),
-        (["--layer-budgets", "shared,adaptive"], "needs a model with sliding-window and full-attention layers"),
+        # a bad option value: exit code 2, as click's own types give (README), and as generate's --reading gives
+        (["--tasks", "single,summary"], "Invalid value for '--tasks': unknown task", 2),
+        (["--lengths", "300,abc"], "Invalid value for '--lengths': token counts", 2),
+        (["--lengths", "32"], "Invalid value for '--lengths': a length must be at least 64", 2),
+        (["--compressions", "0.5"], "Invalid value for '--compressions': a compression must be at least 1", 2),
+        (["--reading", "skim"], "Invalid value for '--reading': plain, query", 2),
+        (["--depths", "1.5"], "Invalid value for '--depths': each must lie between 0 and 1", 2),
+        (["--depths", "0.5,x"], "Invalid value for '--depths': fractions", 2),
+        (["--layer-budgets", "flat"], "Invalid value for '--layer-budgets': layer budgets must be shared, natural", 2),
+        # what the values ask of the model: a user's mistake, exit code 1
+        (["--lengths", "5000"], "past the model's trained context 4096", 1),
+        (["--compressions", "16"], "smaller than sinks + recent", 1),
+        (["--layer-budgets", "shared,adaptive"], "needs a model with sliding-window and full-attention layers", 1),
     ],
 )
-def test_eval_longdoc_refuses_bad_input_in_one_line(fixture_model, tmp_path, args, message):
+def test_eval_longdoc_refuses_bad_input_in_one_line(fixture_model, tmp_path, args, message, code):
     proc = longdoc(str(fixture_model), "--lengths", "300", *args, "--out", str(tmp_path / "x"))
-    assert proc.returncode == 1
+    assert proc.returncode == code
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "x").exists()
 
