@@ -38,6 +38,7 @@ from .budget import (
     LayerBudgets,
     allocate,
     cells_for,
+    default_evict_every,
     holding_of,
 )
 from .engine import Engine, decode_batch
@@ -94,6 +95,9 @@ class ControllerConfig:
     # how far positions may run where that is past ``longest`` (the drop-in: to the trained context, whatever n_ctx
     # cells a ratio budget's caches were laid out in); 0: ``longest``
     positions: int = 0
+    # evict_every is the product's default for the budget (budget.default_evict_every): a new budget (chat's /budget,
+    # a server request's) takes its own, or a smaller budget was refused for the period of the one before
+    period_follows_budget: bool = False
 
     def __post_init__(self) -> None:
         if self.evict_every < 1 or (self.observe_steps is not None and self.observe_steps < 1):
@@ -234,11 +238,13 @@ class KVController:
             out[kind] = (a + g.allocated_bytes(self.engine), u + g.used_bytes(self.engine), n + 1)
         return out
 
-    def allocation(self, budget: Budget, layer_weights: Sequence[float] | None = None) -> Allocation:
+    def allocation(
+        self, budget: Budget, layer_weights: Sequence[float] | None = None, every: int | None = None
+    ) -> Allocation:
         """``budget`` laid out on this engine's layer groups (``budget.allocate``; a byte budget counts every
         layer's K+V bytes and may be refused as too small); adaptive: with the layers' current shares, or
-        ``layer_weights``."""
-        every = self.config.evict_every
+        ``layer_weights``; with the eviction period ``every`` (default: the one in force)."""
+        every = every or self.config.evict_every
         e = self.engine
         if layer_weights is None and self.shares is not None:
             layer_weights = self.shares.weights
@@ -571,14 +577,38 @@ class KVController:
         self._take_budget(budget, policy)
         self.set_policy(policy)
 
+    def restore(self, budget: Budget, policy: Policy) -> None:
+        """``configure`` back to settings that were in force before a request's own (the server's). Adaptive lays the
+        caches out for the budget of each new sequence (``truncate(0)``), so a request's smaller budget shrank them:
+        they are laid out for the restored budget again, which is checked against them (against the shrunk caches,
+        the server's own budget did not fit, and every later request ran at the request's)."""
+        if self.shares is not None:
+            self.schedule_resize(tuple(self.allocation(budget).cache_cells))
+        self.configure(budget, policy)
+
     def _take_budget(self, budget: Budget, policy: Policy | None = None) -> None:
         """``budget``, ``fitted`` and checked (with ``policy``, default the current one), as the configured budget and
         every group's eviction target; nothing is evicted."""
         budget = self.fitted(budget)
-        self.check_budget(budget, policy)
+        every = self.config.evict_every
+        self.config.evict_every = self._period_for(budget)
+        try:
+            self.check_budget(budget, policy)
+        except AhakvError:
+            self.config.evict_every = every
+            raise
         self.config.budget = budget
         for g, held in zip(self.groups, self.allocation(budget).groups, strict=True):
             g.budget = held
+
+    def _period_for(self, budget: Budget) -> int:
+        """The eviction period under ``budget``: the configured one, or where it follows the budget the product's
+        default for what the first group holds (as ``SessionSpec.evict_every_on`` chose it at the start)."""
+        cfg = self.config
+        if not cfg.period_follows_budget:
+            return cfg.evict_every
+        held = self.allocation(budget, every=32).groups[0] if budget.mode == "bytes" else budget  # the longest
+        return default_evict_every(held, cfg.n_sink, cfg.n_recent)
 
     def fits(self, budget: Budget) -> bool:
         """Whether the allocated cells of every cache hold its group's budget plus one prompt chunk and the

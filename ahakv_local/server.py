@@ -457,7 +457,7 @@ class SerialRunner:
             self.llm.reset()  # the cached history was compressed under other settings
             yield
         finally:
-            kv.configure(saved_budget, saved_policy)
+            kv.restore(saved_budget, saved_policy)
             self.llm.reset()
 
     def health(self) -> Response:

@@ -151,6 +151,7 @@ class SessionSpec:
             self.n_recent,
             self.evict_every_on(layout, chunk),
             self.pinned,
+            period_follows_budget=self.evict_every is None,
             observe_steps=self.observe_steps,
             layer_budgets=self.layer_budgets,
             room=self.room(chunk),

@@ -367,6 +367,28 @@ def test_a_byte_budget_set_in_a_chat_gives_the_caches_its_bytes(sliding, tmp_pat
         s.llm.close()
 
 
+def test_a_smaller_budget_in_a_chat_takes_its_own_eviction_period(fixture_model):
+    """The product's period follows the budget (budget.default_evict_every: 32 steps at 512 cells, (60 - 4 - 32) // 4
+    = 6 at 60): /budget 60 was refused for 512's period, "smaller than sinks + recent + one eviction period (4 + 32 +
+    32)", where a chat opened with --budget 60 ran. A period the user gave stays."""
+    with Llama(str(fixture_model), kv_budget=512, n_batch=32, verbose=False) as llm:
+        s = ChatSession(llm, None, max_tokens=12, temperature=0.0)
+        kv = llm.kv_controller
+        assert kv.config.evict_every == 32
+        assert command(s, "/budget", "60").startswith("budget: 60 cells")
+        assert kv.config.evict_every == 6
+        for _ in range(8):
+            talk(s, "tell me more about the weather today")
+        assert kv.stats.tokens_seen > 120 and kv.live.size <= 60
+        command(s, "/budget", "512")
+        assert kv.config.evict_every == 32
+    with Llama(str(fixture_model), kv_budget=512, kv_evict_every=16, n_batch=32, verbose=False) as llm:
+        s = ChatSession(llm, None, max_tokens=12, temperature=0.0)
+        with pytest.raises(AhakvError, match=r"smaller than sinks \+ recent \+ one eviction period \(4 \+ 32 \+ 16\)"):
+            command(s, "/budget", "50")
+        assert command(s, "/budget", "60").startswith("budget: 60 cells") and llm.kv_controller.config.evict_every == 16
+
+
 def test_a_budget_that_cannot_hold_what_is_never_evicted_is_refused(fixture_model):
     """The system prompt is pinned beside the sinks and the recent tokens, none of them ever evicted. A budget that
     could not hold them and one eviction period was accepted, then exceeded: a 250-token system prompt under

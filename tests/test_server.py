@@ -298,6 +298,23 @@ def assert_the_servers_budget(server) -> None:
     assert stats["tokens_seen"] == usage["prompt_tokens"] + usage["completion_tokens"] - 1 > 96
 
 
+def test_a_smaller_request_budget_leaves_the_servers_budget_and_caches(gemma_model):
+    """Gemma's default layout (adaptive) lays its caches out for the budget in force when a sequence starts: a
+    request's smaller budget shrank them, and the server's own budget then no longer fit them, silently (every later
+    request ran at the request's 100 cells in 229, and a request for the server's own 512 was a 400)."""
+    proc, base = start_server(gemma_model, "--budget", "512")
+    try:
+        before = call(base, "/v1/kv/stats")[1]
+        assert before["layer_budgets"] == "adaptive"
+        assert call(base, "/v1/completions", {"prompt": REPEAT, "max_tokens": 2, "kv_budget": 100})[0] == 200
+        assert call(base, "/v1/completions", {"prompt": REPEAT, "max_tokens": 2})[0] == 200
+        after = call(base, "/v1/kv/stats")[1]
+        assert (after["budget"], after["kv_cells"]) == (512, before["kv_cells"])
+        assert call(base, "/v1/completions", {"prompt": REPEAT, "max_tokens": 2, "kv_budget": 512})[0] == 200
+    finally:
+        stop_server(proc)
+
+
 def test_a_refused_policy_leaves_the_servers_budget(server):
     status, body = call(server, "/v1/completions", {"prompt": "x", "kv_budget": 64, "kv_policy": "nope"})
     assert status == 400 and "unknown policy 'nope'" in body["error"]["message"]
