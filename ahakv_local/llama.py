@@ -103,10 +103,13 @@ def product_layout(model_path: str | Path, n_gpu_layers: int = 0, rpc_servers: S
     return default_layer_budgets(info.n_layer_swa, info.n_layer, offloaded)
 
 
-def check_cells(model_path: str, cells: int, budget: Budget | None) -> None:
-    """Refuse a budget the model can never use, or cells the machine cannot hold, before llama.cpp allocates.
-    Without a budget this is llama_cpp.Llama, which loads architectures we do not evict from: unknown
-    ones are left to llama.cpp."""
+def check_cells(
+    model_path: str, cells: int, budget: Budget | None, layer_cells: Sequence[int] = (), kv_type="f16"
+) -> None:
+    """Refuse a budget the model can never use, or cells the machine cannot hold, before llama.cpp allocates
+    (``layer_cells``: the cells of each layer's cache where a budget laid them out, K and V of ``kv_type``; else
+    ``cells`` in every layer, f16). Without a budget this is llama_cpp.Llama, which loads architectures we do not
+    evict from: unknown ones are left to llama.cpp."""
     try:
         info = read_info(Path(model_path))
     except AhakvError:
@@ -119,7 +122,11 @@ def check_cells(model_path: str, cells: int, budget: Budget | None) -> None:
             f"budget {int(budget.value)} cells exceeds the model's trained context of {info.n_ctx_train} positions, "
             "so nothing would ever be evicted: use a smaller budget, or none for the full cache"
         )
-    need, free = cells * info.kv_bytes_per_token(), available_memory()
+    if layer_cells:  # what the caches really take (a natural byte budget was refused for its larger cache x 18)
+        need = sum(layer_cells) * info.cell_bytes(1, kv_type, kv_type)
+    else:
+        need = cells * info.kv_bytes_per_token()
+    free = available_memory()
     if free is not None and need > free:
         raise AhakvError(
             f"{cells} KV cells need {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB of memory available"
@@ -254,6 +261,7 @@ class Llama(llama_cpp.Llama):
         if kv_type is not None:
             self._use_kv_type(model_path, spec.kv_type, kwargs)
         cells = n_ctx  # a shared ratio or auto budget: the caller's n_ctx bounds the cells
+        layer_cells: tuple[int, ...] = ()
         # the longest sequence the caches are laid out for: under a cell or byte budget positions run to the trained
         # context (set_position_bound below), and a full-attention layer's share may grow toward it (at n_ctx, 512
         # by default, adaptive capped a budget of 1,024 cells at 543); a ratio, auto or no budget, at n_ctx
@@ -267,9 +275,10 @@ class Llama(llama_cpp.Llama):
             allocation = spec.allocation_on(model_path, chunk, longest)
             sizes = allocation.cache_cells
             cells = max(sizes)
+            layer_cells = allocation.layer_cells(read_info(Path(model_path)).layer_sliding)
             kwargs.setdefault("swa_full", not sizes[1])
             set_next_caches(sizes, allocation.layer_groups)  # consumed by the context llama_cpp.Llama creates next
-        check_cells(model_path, cells, budget)
+        check_cells(model_path, cells, budget, layer_cells, spec.kv_type)
         try:
             self._load(model_path, n_ctx=cells, n_batch=n_batch, **kwargs)
         finally:

@@ -379,3 +379,23 @@ def test_a_state_llama_cpp_refuses_leaves_the_sequence_as_it_was(gemma_model):
     finally:
         plain.close()
         bounded.close()
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_the_memory_check_counts_the_bytes_a_budget_allocates(gemma_model, monkeypatch, kv_type):
+    """A byte budget in the natural layout was refused for the larger cache's cells x every layer in f16 (1.5GiB of
+    q4_0 "needs 31.9 GiB"); what is checked against the memory available is what the caches take, to the byte."""
+    import ahakv_local.llama as dropin
+    from ahakv_local.info import read_info
+
+    kw = dict(kv_budget="16MiB", kv_layer_budgets="natural", kv_type=kv_type, n_ctx=4096, n_batch=64, verbose=False)
+    with Llama(str(gemma_model), **kw) as llm:
+        e = llm.kv_engine
+        taken = sum(e.kv_bytes(c) for c in e.caches)
+        largest = max(e.cache_cells(c) for c in e.caches)
+    assert largest * read_info(gemma_model).kv_bytes_per_token() > taken  # the old estimate, above it
+    monkeypatch.setattr(dropin, "available_memory", lambda: taken)
+    Llama(str(gemma_model), **kw).close()
+    monkeypatch.setattr(dropin, "available_memory", lambda: taken - 1)
+    with pytest.raises(AhakvError, match=r"KV cells need .* GiB, more than the .* GiB of memory available"):
+        Llama(str(gemma_model), **kw)
