@@ -344,6 +344,15 @@ def kv_type_for(budget: Budget, trimmed_bytes: int) -> str:
     return "q8_0" if budget.value * Q5_0_BELOW >= trimmed_bytes else "q5_0"
 
 
+def check_trained_context(budget: Budget, n_ctx_train: int) -> None:
+    """Refuse a cell budget past the model's trained context (0: unknown): nothing would ever be evicted."""
+    if budget.mode == "cells" and n_ctx_train and budget.value > n_ctx_train:
+        raise AhakvError(
+            f"budget {int(budget.value)} cells exceeds the model's trained context of {n_ctx_train} positions, "
+            "so nothing would ever be evicted: use a smaller budget, or none for the full cache"
+        )
+
+
 def default_evict_every(budget: Budget, n_sink: int = 4, n_recent: int = 32) -> int:
     """The eviction period the product uses: 32 decode steps, observed on the last one (tapping every
     step costs a third of the decode speed; see benchmarks/RESULTS.md), shorter for a budget too

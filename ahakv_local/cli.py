@@ -396,7 +396,13 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
     help="Budget to compare with the full cache: cells of a full-attention layer (512), KV bytes over all layers "
     "(8MiB), a ratio of the tokens seen (25%) or auto, as generate takes it.",
 )
-@click.option("-c", "--ctx-size", type=int, default=None, help="Context length to compare at (default: trained).")
+@click.option(
+    "-c",
+    "--ctx-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Context length to compare at (default: trained).",
+)
 @click.option(
     "-ub",
     "--ubatch-size",
@@ -415,16 +421,15 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
 def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type) -> None:
     """Architecture, heads, sliding window, trained context and KV bytes of MODEL, per KV cache for
     swa_full on (llama-cpp-python's default) and off (llama.cpp's own tools: the sliding cache trimmed)."""
-    from .budget import Budget, default_layer_budgets
+    from .budget import Budget, check_trained_context, default_layer_budgets
     from .info import BudgetAllocation, describe, read_info
     from .models import resolve_model
     from .session import SessionSpec
 
     budget = Budget.parse(budget)  # one line for a malformed budget, before the model is read
-    if ctx_size is not None and ctx_size < 1:
-        raise AhakvError("--ctx-size must be at least 1")
     path = resolve_model(model, progress=True)
     model_info = read_info(path)
+    check_trained_context(budget, model_info.n_ctx_train)  # what generate refuses is not stated as allocated
     if ctx_size is not None and ctx_size > model_info.n_ctx_train:
         raise AhakvError(f"--ctx-size {ctx_size} is past the model's trained context ({model_info.n_ctx_train:,})")
     # what generate and serve allocate for that budget: their chunks, a question's room, their K/V type
@@ -437,6 +442,7 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type) -> None:
     longest = model_info.n_ctx_train if budget.mode in ("cells", "bytes") else context
     spec = SessionSpec.bounded("ahakv", budget, layer_budgets=layer_budgets, reading="query", kv_type=kv_type)
     spec = spec.on_model(path, BUDGETED_BATCH, context)
+    spec.check_floor_on(path, BUDGETED_BATCH, longest)
     if layer_budgets == "shared" and budget.mode in ("ratio", "auto"):  # llama-cpp-python's own cache of -c cells
         cells = (model_info.caches(context, swa_full=True)[0].cells,) * model_info.n_layer
     else:

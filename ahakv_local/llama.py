@@ -34,7 +34,7 @@ import llama_cpp
 import numpy as np
 
 from . import rpc, upstream
-from .budget import KV_TYPE_AUTO, QUESTION_AGNOSTIC, Budget, default_layer_budgets
+from .budget import KV_TYPE_AUTO, QUESTION_AGNOSTIC, Budget, check_trained_context, default_layer_budgets
 from .controller import ControllerStats, KVController
 from .engine import Engine, clear_next_caches, kv_type_params, set_next_caches
 from .errors import AhakvError
@@ -117,11 +117,8 @@ def check_cells(
             return
         raise
     cells = cells or info.n_ctx_train  # n_ctx=0: llama.cpp allocates the trained context
-    if budget is not None and budget.mode == "cells" and info.n_ctx_train and budget.value > info.n_ctx_train:
-        raise AhakvError(
-            f"budget {int(budget.value)} cells exceeds the model's trained context of {info.n_ctx_train} positions, "
-            "so nothing would ever be evicted: use a smaller budget, or none for the full cache"
-        )
+    if budget is not None:
+        check_trained_context(budget, info.n_ctx_train)
     if layer_cells:  # what the caches really take (a natural byte budget was refused for its larger cache x 18)
         need = sum(layer_cells) * info.cell_bytes(1, kv_type, kv_type)
     else:

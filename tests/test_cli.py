@@ -181,6 +181,23 @@ def test_info_without_a_sliding_window_has_one_baseline(fixture_model):
     assert f"budget saves   no saving against the full cache ({4129 / 4096:.2f}x its bytes)" in near.stdout
 
 
+@pytest.mark.parametrize(
+    "budget, message",
+    [
+        ("5000", r"error: budget 5000 cells exceeds the model's trained context of 4096 positions"),
+        ("30", r"error: budget 30 is smaller than sinks \+ recent \+ newest \(4 \+ 32 \+ 1\)"),
+    ],
+)
+def test_info_refuses_what_generate_refuses_in_the_same_words(fixture_model, budget, message):
+    """info stated an allocation "as generate allocates it" for budgets generate refuses."""
+    said = ahakv("info", str(fixture_model), "--budget", budget)
+    done = ahakv("generate", str(fixture_model), "-p", "x", "-n", "1", "--budget", budget)
+    assert_one_line_error(said, message)
+    assert_one_line_error(done, message)
+    assert said.stderr == done.stderr
+    assert_one_line_error(ahakv("info", str(fixture_model), "-c", "0"), r"error: Invalid value for '-c'", code=2)
+
+
 def test_info_states_what_generate_allocates(gemma_model):
     """info's line for the product's layout against a second path: what generate's engine really allocated at the
     same budget (adaptive, one cache per layer, starting as natural holds each kind: 1,024 cells in each
