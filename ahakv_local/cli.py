@@ -475,8 +475,9 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type) -> None:
 def serve(model, host, port, max_tokens_limit, parallel, **engine) -> None:
     """An OpenAI-compatible server (completions, chat completions, streaming; /health, /v1/kv/stats)."""
     require("serve")
-    from .server import create_app, run_server
+    from .server import create_app, listen_socket, run_server
 
+    sock = listen_socket(host, port)  # before the model loads: an address in use is refused at once
     if parallel > 1:
         pool = load_pool(model, parallel, **engine)
         path = pool.engine.path
@@ -487,7 +488,7 @@ def serve(model, host, port, max_tokens_limit, parallel, **engine) -> None:
         path = llm.model_path
         app = create_app(llm, model_name=llm.model_path.rsplit("/", 1)[-1], max_tokens_limit=max_tokens_limit)
     click.echo(f"serving {path} on http://{host}:{port}/v1", err=True)
-    run_server(app, host, port)
+    run_server(app, sock)
 
 
 def load_pool(

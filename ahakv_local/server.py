@@ -29,6 +29,7 @@ import collections
 import contextlib
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -720,8 +721,28 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run_server(app: FastAPI, host: str, port: int) -> None:
-    """Serve until SIGINT/SIGTERM; open responses get GRACE_S seconds to end (a stopped generation ends
-    at its next token), then uvicorn cancels them and re-raises the signal."""
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: an address in use or a host that does not resolve is one
+    line of error at once (uvicorn printed its own after "serving ...", and exited 3)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise AhakvError(f"cannot listen on {host}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a port in TIME_WAIT is free
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise AhakvError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def run_server(app: FastAPI, sock: socket.socket) -> None:
+    """Serve on ``sock`` (``listen_socket``) until SIGINT/SIGTERM; open responses get GRACE_S seconds to end (a
+    stopped generation ends at its next token), then uvicorn cancels them and re-raises the signal."""
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACE_S)
-    Server(config, app.state.shutdown).run()
+    Server(config, app.state.shutdown).run(sockets=[sock])

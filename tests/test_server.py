@@ -56,6 +56,22 @@ def start_server(model, *args: str) -> tuple[subprocess.Popen, str]:
     pytest.fail("the server did not start within 120 s")
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "nonexistent.invalid"])
+def test_an_address_it_cannot_listen_on_is_one_line_before_the_model_loads(fixture_model, host):
+    """uvicorn printed its own message after "serving ... on ..." and exited 3."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        cmd = [sys.executable, "-m", "ahakv_local", "serve", str(fixture_model), "--host", host, "--port", port]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()  # the resolver's words differ between C libraries
+    assert line.startswith(
+        f"error: cannot listen on {host}:{port}: " if host == "127.0.0.1" else f"error: cannot listen on {host}: "
+    )
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
