@@ -130,29 +130,31 @@ GGML_LOG_DEBUG, GGML_LOG_INFO = 1, 2
 GGML_LOG_CONT = 5  # a continuation of the previous message, at its level
 _last_log_level = logging.CRITICAL
 _log_callback = None  # the ctypes callback: llama.cpp keeps only its address, so this keeps it alive
+# llama-cpp-python's logger, bound with the callback: importing it in the callback failed when llama.cpp freed a
+# model as the interpreter shut down (a Llama left open), and Python printed that failure's traceback
+_llama_logger: logging.Logger | None = None
 
 
 def _print_ggml_log(level: int, text: bytes, _user_data) -> None:
-    from llama_cpp import _logger
-
     global _last_log_level
     if level != GGML_LOG_CONT:
         _last_log_level = GGML_LOG_LEVELS.get(level, logging.ERROR)
-    if _logger.logger.level <= _last_log_level:  # upstream's test: set_verbose sets the logger's level
-        print(text.decode("utf-8", errors="replace"), end="", flush=True, file=sys.stderr)
+    if _llama_logger is not None and _llama_logger.level <= _last_log_level:  # upstream's test: set_verbose sets it
+        with contextlib.suppress(Exception):  # at shutdown sys.stderr may be gone
+            print(text.decode("utf-8", errors="replace"), end="", flush=True, file=sys.stderr)
 
 
 def use_ggml_log_levels() -> None:
     """Route llama.cpp's log through ``_print_ggml_log`` (once): from ``native.lib()``, which every command and
     every Engine binds first, and from the Llama drop-in's load, which may come before it."""
-    global _log_callback
+    global _log_callback, _llama_logger
     if _log_callback is None:
         import llama_cpp
-
-        _log_callback = llama_cpp.llama_log_callback(_print_ggml_log)
-        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
         from llama_cpp import _logger
 
+        _llama_logger = _logger.logger
+        _log_callback = llama_cpp.llama_log_callback(_print_ggml_log)
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
         _format_debug_lines(_logger.logger.level <= logging.DEBUG)
 
 

@@ -399,3 +399,31 @@ def test_the_memory_check_counts_the_bytes_a_budget_allocates(gemma_model, monke
     monkeypatch.setattr(dropin, "available_memory", lambda: taken - 1)
     with pytest.raises(AhakvError, match=r"KV cells need .* GiB, more than the .* GiB of memory available"):
         Llama(str(gemma_model), **kw)
+
+
+def test_a_llama_left_open_at_exit_prints_nothing():
+    """llama.cpp logs as it frees a model at interpreter shutdown; the log callback imported llama-cpp-python's
+    logger there, which failed ("sys.meta_path is None") and Python printed the traceback on stderr. (Whether a
+    log line comes that late depends on the order the interpreter frees objects in: this script, a user's report,
+    met it every time.)"""
+    import subprocess
+    import sys
+
+    script = """
+from ahakv_local import Llama
+from ahakv_local.models import fixture_path
+F = str(fixture_path())
+kw = dict(n_threads=1, verbose=False, n_ctx=256)
+def tryit(name, f):
+    try:
+        print(name, "OK", repr(f())[:100])
+    except Exception as e:
+        print(name, type(e).__name__, str(e)[:150])
+llm = Llama(F, **kw)
+with Llama(F, **kw) as l2:
+    print(l2("abc", max_tokens=3, temperature=0)["choices"][0]["text"])
+tryit("after with", lambda: l2("abc", max_tokens=3))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("this Llama was closed: create a new one")
+    assert proc.stderr == ""
