@@ -306,9 +306,11 @@ def test_a_ratio_under_what_is_never_evicted_reports_what_the_cache_holds(chat):
     a budget the cache could not keep; its budget is now what the cache holds at most, never below the cells used."""
     cfg = chat.llm.kv_controller.config
     assert cfg.pinned[0] == 0 and cfg.pinned[1] > cfg.n_sink  # the system prompt, the sinks inside it
-    # never evicted: the system prompt and the recent tokens (the newest among them); then the steps to come
-    holds = cfg.pinned[1] + cfg.n_recent + cfg.evict_every - 1
     chat.set_budget("10%")
+    # never evicted: the system prompt and the recent tokens (the newest among them); then the steps to come (a ratio
+    # budget's period: every step)
+    assert cfg.evict_every == 1
+    holds = cfg.pinned[1] + cfg.n_recent + cfg.evict_every - 1
     for _ in range(4):
         talk(chat, "tell me about the weather")
         s = chat.llm.kv_stats()
@@ -400,8 +402,13 @@ def test_a_budget_that_cannot_hold_what_is_never_evicted_is_refused(fixture_mode
         kv, cfg = s.llm.kv_controller, s.llm.kv_controller.config
         start, end = cfg.pinned
         assert start == 0 and end > cfg.n_sink  # "You are terse." rendered: more tokens than the sinks
-        floor = cfg.n_sink + (end - cfg.n_sink) + cfg.n_recent + 1 + cfg.evict_every - 1  # + the period to come
-        with pytest.raises(AhakvError, match=r"smaller than sinks \+ pinned \+ recent \+ one eviction period"):
+        held = cfg.n_sink + (end - cfg.n_sink) + cfg.n_recent + 1  # never evicted, the newest among them
+
+        def period(b: int) -> int:  # the product's eviction period at b cells (README: 32, less under 164 cells)
+            return max(1, min(32, (b - cfg.n_sink - cfg.n_recent) // 4))
+
+        floor = next(b for b in range(held, 1000) if b >= held + period(b) - 1)  # + the steps to come
+        with pytest.raises(AhakvError, match=r"smaller than sinks \+ pinned \+ recent \+ (one eviction period|newest)"):
             s.set_budget(str(floor - 1))
         assert s.set_budget(str(floor)).startswith(f"budget: {floor} cells")
         for _ in range(4):
