@@ -28,7 +28,7 @@ import llama_cpp
 import numpy as np
 
 from .budget import Budget, default_evict_every
-from .engine import Engine
+from .engine import Engine, default_threads
 from .info import read_info
 from .llama import Llama
 
@@ -73,8 +73,19 @@ class LongRow:
     layer_budgets: str = ""  # the budgeted run's layout (the drop-in's default for the model); "" for the baselines
 
 
-def _quiet(model: Path, n_gpu_layers: int = 0, **kw) -> dict:
-    return {"model_path": str(model), "verbose": False, "n_gpu_layers": n_gpu_layers, **kw}
+def _quiet(model: Path, n_gpu_layers: int = 0, n_threads: int | None = None, **kw) -> dict:
+    """llama_cpp.Llama's arguments for a measured run: quiet, and the engine's threads for decode and batch alike
+    (llama-cpp-python's own default, half the cores for decode and all for a batch, measured the generate table
+    and the long run with other threads than the engine table)."""
+    threads = n_threads or default_threads()
+    return {
+        "model_path": str(model),
+        "verbose": False,
+        "n_gpu_layers": n_gpu_layers,
+        "n_threads": threads,
+        "n_threads_batch": threads,
+        **kw,
+    }
 
 
 def _timed_generate(llm: llama_cpp.Llama, prompt: list[int], n: int, live: Callable[[], int]):
@@ -128,6 +139,7 @@ class SpeedSetup:
     evict_every: int | None = None  # None: the budget's default
     observe_steps: int | None = 1
     n_gpu_layers: int = 0
+    n_threads: int | None = None  # default: engine.default_threads (AHAKV_THREADS, else every core)
 
     @property
     def tokens_needed(self) -> int:
@@ -155,11 +167,11 @@ def speed_at_budget(
     for label, swa_full in BASELINES.items():
         n_ctx = budget + evict_every + decode_tokens + batch
         kw = dict(n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, swa_full=swa_full)
-        plain = llama_cpp.Llama(**_quiet(model, n_gpu_layers, **kw))
+        plain = llama_cpp.Llama(**_quiet(model, n_gpu_layers, setup.n_threads, **kw))
         models[label] = (plain, tokens[:plain_prompt], lambda plain=plain: plain.n_tokens)
     for label, (name, layout) in _policy_rows(setup.policies, setup.layer_budgets).items():
         llm = Llama(
-            **_quiet(model, n_gpu_layers, n_batch=batch, n_ubatch=batch),
+            **_quiet(model, n_gpu_layers, setup.n_threads, n_batch=batch, n_ubatch=batch),
             kv_budget=budget,
             kv_policy=name,
             kv_evict_every=evict_every,
@@ -193,7 +205,7 @@ def engine_speed_at_budget(
     budget, batch, decode_tokens, n_gpu_layers = setup.budget, setup.batch, setup.decode_tokens, setup.n_gpu_layers
     evict_every, plain_prompt = setup.plan(tokens)
     n_ctx = budget + evict_every + decode_tokens + batch
-    cfg = EngineConfig(n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, n_gpu_layers=n_gpu_layers)
+    cfg = EngineConfig(n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, n_gpu_layers=n_gpu_layers, n_threads=setup.n_threads)
     engines = {label: Engine(model, replace(cfg, swa_full=swa_full)) for label, swa_full in BASELINES.items()}
     # each policy in a session as the product opens one (open_session: every cache sized exactly for the budget,
     # a chunk and the newest token, not padded to 256), so evicted cells scattered over the buffer cost what they
@@ -204,7 +216,9 @@ def engine_speed_at_budget(
         spec = SessionSpec.bounded(
             name, budget, evict_every=evict_every, observe_steps=setup.observe_steps, layer_budgets=layout
         )
-        sessions[label] = open_session(model, spec, 2 * budget + decode_tokens, batch, n_gpu_layers=n_gpu_layers)
+        sessions[label] = open_session(
+            model, spec, 2 * budget + decode_tokens, batch, n_gpu_layers=n_gpu_layers, n_threads=setup.n_threads
+        )
         engines[label] = sessions[label].engine
 
     def plain_run(label: str) -> tuple[float, float, float]:
@@ -305,6 +319,7 @@ def long_run(
     observe_steps: int | None = 1,
     n_gpu_layers: int = 0,
     progress: Callable[[str, int, int], None] = lambda label, n, total: None,
+    n_threads: int | None = None,
 ) -> list[LongRow]:
     """``policy`` at ``budget`` and the full cache, untrimmed and trimmed, read ``tokens`` to each checkpoint and
     decode there."""
@@ -314,7 +329,7 @@ def long_run(
     rows = []
     label = f"{policy}@{budget}"
     with Llama(
-        **_quiet(model, n_gpu_layers, n_batch=64, n_ubatch=64),
+        **_quiet(model, n_gpu_layers, n_threads, n_batch=64, n_ubatch=64),
         kv_budget=budget,
         kv_policy=policy,
         kv_evict_every=evict_every,
@@ -327,7 +342,7 @@ def long_run(
     # this table has always called it "full") and llama.cpp's own tools (the sliding cache trimmed to its window)
     for baseline, swa_full in BASELINES.items():
         name = "full" if baseline == "plain" else baseline
-        llm = llama_cpp.Llama(**_quiet(model, n_gpu_layers, n_ctx=last, n_batch=512, swa_full=swa_full))
+        llm = llama_cpp.Llama(**_quiet(model, n_gpu_layers, n_threads, n_ctx=last, n_batch=512, swa_full=swa_full))
         try:
             seen = [0]
             rows += _long(name, llm, tokens, checkpoints, decode_tokens, _counter(progress, name, last, seen))

@@ -538,6 +538,7 @@ def bench_group() -> None:
 )
 @n_gpu_layers_option("Layers to offload to the GPU (-1: all), in every run alike.")
 @click.option("--out", "out_dir", default="bench-out", show_default=True, help="Folder for the outputs.")
+@threads_option
 def bench_speed(
     model,
     text_files,
@@ -554,6 +555,7 @@ def bench_speed(
     memory_context,
     n_gpu_layers,
     out_dir,
+    threads,
 ) -> None:
     """Decode and prompt tokens/s: plain llama-cpp-python (swa_full, its default), plain llama.cpp with the
     sliding-window cache trimmed (swa_full off, as llama-server) and each policy at the same live cells; a long
@@ -585,6 +587,7 @@ def bench_speed(
             evict_every=evict_every,
             observe_steps=observe,
             layer_budgets=product_layout(path, n_gpu_layers),  # the drop-in's, which the long run opens
+            reading="query",  # as the drop-in reads by default: a guided reading's room on top of the budget
         )
         long_spec.check_floor_on(path, BATCH, trained)
     files = list(text_files) or sorted(str(p) for p in LICENSES.iterdir() if not p.is_symlink())
@@ -598,6 +601,7 @@ def bench_speed(
         evict_every=evict_every,
         observe_steps=observe,
         n_gpu_layers=n_gpu_layers,
+        n_threads=threads,
     )
     if len(ids) < setup.tokens_needed:
         raise AhakvError(f"the text has {len(ids)} tokens; budget {budget} needs {setup.tokens_needed}")
@@ -613,7 +617,7 @@ def bench_speed(
         memory_at(path, rows, memory_context, BATCH)  # the runs' n_ubatch
     settings = dataclasses.asdict(setup) | {"memory_context": memory_context}
     checkpoints = sorted({min(c, trained - decode_tokens - 1) for c in long_points})
-    checkpoints = [c for c in checkpoints if c + 16 <= len(ids)]
+    checkpoints = [c for c in checkpoints if c + decode_tokens <= len(ids)]
     long_rows = []
     if checkpoints:
         bars: dict[str, object] = {}
@@ -628,10 +632,12 @@ def bench_speed(
             checkpoints,
             long_budget or budget,
             long_policy,
+            decode_tokens=decode_tokens,
             evict_every=evict_every,
             observe_steps=observe,
             n_gpu_layers=n_gpu_layers,
             progress=progress,
+            n_threads=threads,
         )
         for bar in bars.values():
             bar.close()

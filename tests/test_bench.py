@@ -142,3 +142,53 @@ def test_bench_speed_runs_each_policy_in_each_layer_layout(tmp_path):
     )  # fmt: skip
     assert bad.returncode != 0 and "pyramidal" in bad.stderr and "Traceback" not in bad.stderr
     assert "bench speed (generate)" not in bad.stderr  # refused before any run
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ahakv_local", "bench", "speed", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_the_long_run_decodes_decode_tokens_up_to_the_trained_context(tmp_path):
+    """The checkpoints were capped for --decode-tokens but the long run decoded 16 at each: with 8, the last one
+    asked for 401 positions of a model trained on 400, a traceback after every speed table, and nothing written."""
+    model = fixture_path(FixtureSpec(arch="gemma3", n_ctx_train=400))
+    out = tmp_path / "bench"
+    proc = bench(str(model), "--budget", "64", "--policies", "h2o", "--rounds", "1", "--decode-tokens", "8",
+                 "--long-context", "1000", "-t", "1", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    long = [r for r in json.loads((out / "results.json").read_text())["results"] if r["table"] == "long"]
+    assert long and {r["context"] for r in long} == {400 - 8 - 1}
+
+
+def test_every_run_of_bench_speed_gets_the_engine_threads(fixture_model, license_text, monkeypatch):
+    """The generate table and the long run got llama-cpp-python's defaults (half the cores to decode, all of them for
+    a batch) where the engine table got -t / AHAKV_THREADS: two tables of one report measured with other threads."""
+    import llama_cpp
+
+    from ahakv_local.bench import SpeedSetup, long_run, speed_at_budget
+    from ahakv_local.evaluation import text_tokens
+
+    seen = []
+    real = llama_cpp.Llama.__init__
+
+    def spy(self, *args, **kw):
+        seen.append((kw.get("n_threads"), kw.get("n_threads_batch")))
+        real(self, *args, **kw)
+
+    monkeypatch.setattr(llama_cpp.Llama, "__init__", spy)
+    tokens = text_tokens(fixture_model, license_text)
+    speed_at_budget(fixture_model, tokens, SpeedSetup(64, ("h2o",), decode_tokens=4, rounds=1, n_threads=1))
+    long_run(fixture_model, tokens, [256], 64, "h2o", decode_tokens=4, n_threads=1)
+    assert len(seen) == 3 + 3 and set(seen) == {(1, 1)}  # plain, trimmed, h2o; then h2o, full, trimmed
+
+
+def test_a_long_budget_the_drop_in_refuses_is_refused_before_the_speed_runs(gemma_model):
+    """The long run opens the drop-in, which reads with a question's room on top of the budget; the check before the
+    speed runs left that room out, so 2MiB was refused after every speed table had run."""
+    proc = bench(str(gemma_model), "--budget", "64", "--policies", "streaming", "--rounds", "1", "--decode-tokens",
+                 "8", "--long-context", "1024", "--long-budget", "2MiB", "-t", "1")  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "bench speed (generate)" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: budget 2 MiB allocates")
