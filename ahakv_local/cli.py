@@ -163,7 +163,7 @@ def engine_options(f):
         ),
         click.option(
             "--evict-every",
-            type=int,
+            type=Positive,
             default=None,
             envvar="AHAKV_EVICT_EVERY",
             help="Decode steps between evictions (default 32, less for small budgets, 1 for ratio and auto ones).",

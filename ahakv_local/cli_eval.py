@@ -217,14 +217,22 @@ def eval_group() -> None:
 @click.option("--policies", default="all", show_default=True, help="Comma-separated policy names, or all.")
 @click.option("--ablations", is_flag=True, help="Also AhaKV with each component off, at every budget.")
 @click.option("--ablations-at", default="", help="The same, at these budgets only (comma-separated).")
-@click.option("--step", default=1, show_default=True, help="Tokens per decode after the prefix (1: token by token).")
+@click.option(
+    "--step",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="Tokens per decode after the prefix (1: token by token; at most one prompt chunk, 64).",
+)
 @click.option(
     "--evict-every",
-    type=int,
+    type=Positive,
     default=None,
     help="Token by token: steps between evictions (default 32, less for small budgets, 1 for fractions).",
 )
-@click.option("--observe-steps", default=1, show_default=True, help="Token by token: observed steps (0: all).")
+@click.option(
+    "--observe-steps", type=Count, default=1, show_default=True, help="Token by token: observed steps (0: all)."
+)
 @click.option("--sinks", type=Count, default=4, show_default=True)
 @click.option("--recent", type=Count, default=32, show_default=True)
 @click.option(
@@ -261,8 +269,6 @@ def eval_ppl(
     ids = text_tokens(path, read_text(text_file))[:tokens]
     if len(ids) <= prefix + 1:
         raise AhakvError(f"{text_file} has only {len(ids)} tokens; need more than --prefix {prefix}")
-    if not 1 <= step <= 64:
-        raise AhakvError("--step must be between 1 and 64 (one prompt chunk)")
     from .budget import check_layer_kinds, parse_schedule
     from .session import SessionSpec
 
@@ -277,10 +283,12 @@ def eval_ppl(
     )
     floor = sinks + recent + (step if step > 1 else evict_every or 1)  # a fraction of a short text: at least this
     cells = _cells(budgets, len(ids), floor)
-    _below_trained(cells, info.n_ctx_train)
-    if max(cells) >= len(ids):
-        raise AhakvError(f"budget {max(cells)} cells holds the whole text ({len(ids)} tokens): nothing is evicted")
     ablated = cells if ablations else _cells(ablations_at, len(ids), floor) if ablations_at else []
+    _below_trained(cells + ablated, info.n_ctx_train)  # --ablations-at too: it ran "0.0x compression" rows
+    if max(cells + ablated) >= len(ids):
+        raise AhakvError(
+            f"budget {max(cells + ablated)} cells holds the whole text ({len(ids)} tokens): nothing is evicted"
+        )
     # named specs: llama.cpp's trimmed full cache, every policy at every budget in every layout, then AhaKV without
     # each component
     configs = [TRIMMED] if info.n_layer_swa else []
@@ -509,8 +517,12 @@ def bench_group() -> None:
     show_default=True,
     help="Interleaved rounds (medians are reported).",
 )
-@click.option("--evict-every", type=int, default=None, help="Decode steps between evictions (default: the product's).")
-@click.option("--observe-steps", default=1, show_default=True, help="Observed steps before each eviction (0: all).")
+@click.option(
+    "--evict-every", type=Positive, default=None, help="Decode steps between evictions (default: the product's)."
+)
+@click.option(
+    "--observe-steps", type=Count, default=1, show_default=True, help="Observed steps before each eviction (0: all)."
+)
 @click.option(
     "--layer-budgets",
     default="shared",
@@ -575,9 +587,9 @@ def bench_speed(
     try:
         long_points = [int(c) for c in long_context.split(",") if c.strip()]
     except ValueError:
-        raise AhakvError(f"--long-context takes token counts, comma-separated, not {long_context!r}") from None
+        raise bad_value("--long-context", f"token counts, comma-separated, not {long_context!r}") from None
     if any(c < 1 for c in long_points):
-        raise AhakvError(f"--long-context checkpoints must be at least 1 token, not {long_context!r}")
+        raise bad_value("--long-context", f"checkpoints of at least 1 token, not {long_context!r}")
     evict_every, observe = parse_schedule(evict_every, observe_steps)
     trained = read_info(path).n_ctx_train
     if long_points:  # the long run's policy and budget fail now, not after the speed runs

@@ -321,8 +321,14 @@ def test_bad_option_values_are_one_line(fixture_model):
         (["bench", "speed", "--rounds", "0"], r"error: Invalid value for '--rounds': 0 is not in the range x>=1", 2),
         (["bench", "speed", "--decode-tokens", "1"], r"error: Invalid value for '--decode-tokens': 1 is not in", 2),
         (["bench", "speed", "--budget", "0"], r"error: Invalid value for '--budget': 0 is not in the range x>=1", 2),
-        (["bench", "speed", "--long-context", "2K"], r"error: --long-context takes token counts, comma-separated", 1),
-        (["bench", "speed", "--long-context", "0"], r"error: --long-context checkpoints must be at least 1 token", 1),
+        (["bench", "speed", "--long-context", "2K"], r"error: Invalid value for '--long-context': token counts", 2),
+        (["bench", "speed", "--long-context", "0"], r"error: Invalid value for '--long-context': checkpoints of", 2),
+        # these exited 1 (checked by hand), where a bad option value exits 2 (README)
+        (["bench", "speed", "--evict-every", "0"], r"error: Invalid value for '--evict-every': 0 is not in", 2),
+        (["eval", "ppl", "--step", "0"], r"error: Invalid value for '--step': 0 is not in the range 1<=x<=64", 2),
+        (["eval", "ppl", "--evict-every", "0"], r"error: Invalid value for '--evict-every': 0 is not in", 2),
+        (["eval", "ppl", "--observe-steps", "-1"], r"error: Invalid value for '--observe-steps': -1 is not in", 2),
+        (["generate", "", "-p", "x", "--evict-every", "0"], r"error: Invalid value for '--evict-every': 0 is not", 2),
         (["serve", "", "--port", "99999"], r"error: Invalid value for '--port': 99999 is not in the range 1<=x", 2),
         (["eval", "needle", "--trials", "0"], r"error: Invalid value for '--trials': 0 is not in the range x>=1", 2),
         (["eval", "ppl", "--prefix", "-1"], r"error: Invalid value for '--prefix': -1 is not in the range x>=1", 2),
@@ -342,6 +348,17 @@ def test_bad_option_values_are_one_line(fixture_model):
         # budgets that measure nothing: they ran and reported a "compression" below 1x; a fraction of the longest
         # needle prompt was applied to every length
         (["eval", "ppl", "--tokens", "400", "--budgets", "5000"], r"error: budget 5000 cells exceeds the model's", 1),
+        # --ablations-at was not checked: "ahakv -...@5000" rows at 0.1x compression
+        (
+            ["eval", "ppl", "--tokens", "400", "--budgets", "64", "--ablations-at", "5000"],
+            r"error: budget 5000 cells exceeds the model's",
+            1,
+        ),
+        (
+            ["eval", "ppl", "--tokens", "400", "--budgets", "64", "--ablations-at", "450"],
+            r"error: budget 450 cells holds the whole text",
+            1,
+        ),
         (
             ["eval", "ppl", "--tokens", "400", "--budgets", "128,500"],
             r"error: budget 500 cells holds the whole text \(400 tokens\): nothing is evicted$",
