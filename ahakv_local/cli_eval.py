@@ -315,7 +315,8 @@ def eval_ppl(
             rpc_servers=rpc_servers,
             n_threads=threads,
         )
-    for line in write_ppl_report(out, results, path, text_file, len(ids), step):
+    settings = schedule | {"prefix": prefix, "layer_budgets": list(layouts)}  # which results.json keeps
+    for line in write_ppl_report(out, results, path, text_file, len(ids), step, settings):
         click.echo(line)
 
 

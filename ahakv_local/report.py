@@ -45,12 +45,19 @@ def _write(out: Path, meta: dict, rows: list[dict], fields: list[str], lines: li
 
 
 def write_ppl_report(
-    out: Path, results: dict[str, PplResult], model: Path, text: str, tokens: int, step: int = 1
+    out: Path,
+    results: dict[str, PplResult],
+    model: Path,
+    text: str,
+    tokens: int,
+    step: int = 1,
+    settings: dict | None = None,
 ) -> list[str]:
-    """results.json/.csv/.md and ppl_vs_budget.png under ``out``; return the Markdown table's lines."""
+    """results.json/.csv/.md and ppl_vs_budget.png under ``out``; return the Markdown table's lines. ``settings``: what
+    else the run was made with (prefix, sinks, recent, schedule, K/V type, layouts), into results.json's config."""
     from .plots import plot_ppl
 
-    meta = provenance(model, text, tokens) | {"step": step}
+    meta = provenance(model, text, tokens) | {"step": step} | (settings or {})
     rows = [{"label": label, **asdict(r), "budget": str(r.budget)} for label, r in results.items()]
     full = results["full"].ppl
     lines = [

@@ -249,6 +249,9 @@ def test_eval_ppl_command_writes_every_output(fixture_model, tmp_path):
     labels = [r["label"] for r in data["results"]]
     assert labels == ["full", "tova@48", "ahakv@48", "tova@80", "ahakv@80"]
     assert data["config"]["model_sha256"] and data["config"]["patch_sha256"] and data["config"]["tokens"] == 160
+    # what the run was made with (a q8_0 or a --recent 8 run was told from another by no field)
+    settings = {k: data["config"][k] for k in ("prefix", "n_sink", "n_recent", "kv_type", "layer_budgets")}
+    assert settings == {"prefix": 32, "n_sink": 4, "n_recent": 8, "kv_type": "f16", "layer_budgets": ["shared"]}
     assert (out / "results.csv").read_text().count("\n") == 6
     assert "| ahakv | 80 cells |" in (out / "results.md").read_text()
     assert (out / "ppl_vs_budget.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
