@@ -168,6 +168,8 @@ def write_speed_report(
         ]
         out.mkdir(parents=True, exist_ok=True)
         plot_long_run(long, out / "long_run.png", f"{model.name}: full cache vs {long[0].label}")
+    else:  # a run into the folder of an earlier one: its figure is not this run's
+        (out / "long_run.png").unlink(missing_ok=True)
     fields = sorted({k for r in rows for k in r if k != "decode_runs"}, key=lambda k: (k != "table", k))
     _write(out, meta, rows, fields, lines)
     return lines

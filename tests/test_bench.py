@@ -41,7 +41,7 @@ def test_bench_speed_command_writes_every_output(fixture_model, tmp_path):
     for r in long:
         assert r["kv_bytes_used"] == r["kv_cells_used"] * per_token
         if r["label"] in ("full", "trimmed"):
-            assert r["kv_cells_used"] == r["context"] + 16  # every token read so far
+            assert r["kv_cells_used"] == r["context"] + 8  # every token read so far, the 8 decoded ones too
         else:
             assert r["kv_cells_used"] <= 64 + 4 and r["kv_bytes_allocated"] < long[-1]["kv_bytes_allocated"]
     assert data["config"]["evict_every"] == 4 and data["config"]["model_sha256"]
@@ -49,6 +49,11 @@ def test_bench_speed_command_writes_every_output(fixture_model, tmp_path):
     assert (out / "results.csv").read_text().count("\n") == 1 + 8 + 6
     assert (out / "long_run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "## long run" in (out / "results.md").read_text()
+    # again into the same folder without a long run: no figure of the earlier one is left beside these results
+    again = bench(str(fixture_model), "--budget", "64", "--policies", "h2o", "--decode-tokens", "8", "--rounds", "1",
+                  "--long-context", "", "--out", str(out))  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert not (out / "long_run.png").exists() and "## long run" not in (out / "results.md").read_text()
 
 
 def test_report_script_runs_every_command_and_writes_results(tmp_path):
