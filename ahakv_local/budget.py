@@ -280,7 +280,9 @@ def allocate(
             sliding_cells,
         )  # fmt: skip
     two = layout.sliding_bytes > 0
-    natural = two and layout.window > 0 and layer_budgets == "natural"
+    # natural needs both kinds: a model whose every layer slides (a gemma2 whose pattern says so) has one group, as
+    # in the shared pool (two groups, one of no layer, failed inside the controller)
+    natural = two and layout.base_bytes > 0 and layout.window > 0 and layer_budgets == "natural"
     extra = chunk + 1 + room  # what cells_for adds to the cells a group holds
     window = layout.window + every - 1
     if budget.mode == "bytes":

@@ -597,3 +597,18 @@ def test_piped_chat_answers_without_prompts_and_sends_what_the_input_ends_in(fix
         kept = max((tmp_path / "chats").iterdir(), key=lambda p: p.stat().st_mtime_ns)
         users = [m["content"] for m in json.loads(kept.read_text()) if m["role"] == "user"]
         assert users == ["Hi", sent]
+
+
+@pytest.mark.parametrize("policy", ["ahakv", "h2o"])
+def test_a_model_whose_every_layer_slides_runs_in_its_default_layout(license_text, policy):
+    """A gemma2 of one layer slides in every layer: the default layout (natural) made two groups, one of no layer, and
+    failed with "zip() argument 2 is shorter than argument 1" (ahakv) or a budget that "does not fit" (h2o)."""
+    from ahakv_local.fixture import FixtureSpec
+    from ahakv_local.models import fixture_path
+
+    model = fixture_path(FixtureSpec(arch="gemma2", n_layer=1))
+    proc = ahakv("generate", str(model), "-p", license_text[:400], "-b", "64", "--policy", policy, "-n", "4",
+                 "-t", "1", "--stats")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    stats = re.search(r"cache (\d+)/64 cells .* seen (\d+) \| evicted (\d+)", proc.stderr)
+    assert stats and int(stats[1]) <= 64 and int(stats[2]) > 300 and int(stats[3]) > 0
