@@ -94,12 +94,13 @@ class ModelInfo:
             return False
         return True
 
-    def cache_layout(self) -> CacheLayout:
-        """What laying out a budget needs (``budget.allocate``), from the header alone: F16 K and V."""
+    def cache_layout(self, kv_type: str = "f16") -> CacheLayout:
+        """What laying out a budget needs (``budget.allocate``), from the header alone, K and V of ``kv_type``: what
+        ``Engine.cache_layout`` measures on a context (tests/test_info_caches.py compares the two)."""
         n_swa = self.n_layer_swa
         return CacheLayout(
-            self.cell_bytes(self.n_layer - n_swa),
-            self.cell_bytes(n_swa),
+            self.cell_bytes(self.n_layer - n_swa, kv_type, kv_type),
+            self.cell_bytes(n_swa, kv_type, kv_type),
             self.sliding_window if n_swa else 0,
             self.layer_sliding,
         )

@@ -90,11 +90,31 @@ def test_sliding_layer_patterns():
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_header_layout_equals_the_engines(arch, gemma_model):
-    """The layout ``info`` lays a budget out on (the header's) is the engine's: bytes per cell of each kind, window
-    and which layers slide (a per-layer layout needs the last)."""
-    for model in [fixture_path(FixtureSpec(arch=arch))] + ([gemma_model] if arch == "gemma3" else []):
-        with Engine(model, EngineConfig(n_ctx=256, n_batch=64, n_ubatch=64, swa_full=False)) as e:
-            assert read_info(model).cache_layout() == e.cache_layout()
+    """The layout every budget is laid out on (the header's: ``session.model_layout``, which loaded the model for it
+    before) is the engine's: bytes per cell of each kind for each K/V type the heads can hold, window and which
+    layers slide (a per-layer layout needs the last)."""
+    models = [fixture_path(FixtureSpec(arch=arch)), fixture_path(FixtureSpec(arch=arch, n_layer=6, n_embd=128))]
+    for model in models + ([gemma_model] if arch == "gemma3" else []):
+        info = read_info(model)
+        for kv_type in [t for t in ("f16", "q8_0", "q5_0", "q4_0") if info.stores(t)]:
+            types = {} if kv_type == "f16" else {"type_k": kv_type, "type_v": kv_type, "flash_attn": True}
+            with Engine(model, EngineConfig(n_ctx=256, n_batch=64, n_ubatch=64, swa_full=False, **types)) as e:
+                assert info.cache_layout(kv_type) == e.cache_layout(), (model.name, kv_type)
+
+
+def test_info_reads_only_the_header(tmp_path):
+    """A partly downloaded GGUF, its header whole: info states its caches and a budget's allocation (it loaded the
+    model to lay the budget out, and refused the file as one llama.cpp cannot read)."""
+    import subprocess
+    import sys
+
+    whole = fixture_path(FixtureSpec(arch="gemma3", n_layer=6, n_embd=128))
+    part = tmp_path / "partial.gguf"
+    part.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    proc = subprocess.run([sys.executable, "-m", "ahakv_local", "info", str(part), "--budget", "256"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "KV at budget   256 cells" in proc.stdout
 
 
 def test_info_command_prints_both_layouts(gemma_model):
