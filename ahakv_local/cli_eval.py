@@ -269,12 +269,16 @@ def eval_ppl(
     ids = text_tokens(path, read_text(text_file))[:tokens]
     if len(ids) <= prefix + 1:
         raise AhakvError(f"{text_file} has only {len(ids)} tokens; need more than --prefix {prefix}")
+    info = read_info(path)
+    if info.n_ctx_train and len(ids) > info.n_ctx_train:  # (it failed there, after the full cache's whole run)
+        raise AhakvError(
+            f"{len(ids)} tokens of text are past the model's trained context of {info.n_ctx_train}: give --tokens"
+        )
     from .budget import check_layer_kinds, parse_schedule
     from .session import SessionSpec
 
     names = _policies(policies)
     layouts = _layer_budgets(layer_budgets)
-    info = read_info(path)
     for layout in layouts:  # before the full cache's run, not after it
         check_layer_kinds(layout, info.n_layer_swa, info.n_layer)
     evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
@@ -356,7 +360,10 @@ def eval_needle(
         raise AhakvError(f"a budget is smaller than sinks + recent + newest ({floor})")
     from .info import read_info
 
-    _below_trained(cells, read_info(path).n_ctx_train)
+    trained = read_info(path).n_ctx_train
+    _below_trained(cells, trained)
+    if trained and max(lens) + 8 > trained:  # a prompt and its 8 answer tokens (it failed after the full cache's run)
+        raise AhakvError(f"length {max(lens)} (+8 answer tokens) is past the model's trained context {trained}")
     from .session import SessionSpec
 
     schedule = dict(n_sink=sinks, n_recent=recent)
@@ -629,8 +636,10 @@ def bench_speed(
     for rows in (app, core):
         memory_at(path, rows, memory_context, BATCH)  # the runs' n_ubatch
     settings = dataclasses.asdict(setup) | {"memory_context": memory_context}
-    checkpoints = sorted({min(c, trained - decode_tokens - 1) for c in long_points})
-    checkpoints = [c for c in checkpoints if c + decode_tokens <= len(ids)]
+    capped = sorted({min(c, trained - decode_tokens - 1) for c in long_points})
+    checkpoints = [c for c in capped if c + decode_tokens <= len(ids)]
+    if short := [c for c in capped if c not in checkpoints]:  # said, not dropped in silence
+        click.echo(f"long run: checkpoints {short} need more than the text's {len(ids)} tokens: left out", err=True)
     long_rows = []
     if checkpoints:
         bars: dict[str, object] = {}

@@ -365,6 +365,9 @@ def test_bad_option_values_are_one_line(fixture_model):
             1,
         ),
         (["eval", "needle", "--budgets", "9000"], r"error: budget 9000 cells exceeds the model's trained context", 1),
+        # a text or a prompt past the trained context failed there, after the full cache's whole run
+        (["eval", "ppl", "--tokens", "5000"], r"error: 5000 tokens of text are past the model's trained context", 1),
+        (["eval", "needle", "--lengths", "4090"], r"error: length 4090 \(\+8 answer tokens\) is past the model's", 1),
         (["eval", "needle", "--budgets", "0.25"], r"error: eval needle budgets are cells: for a share of each", 1),
         # an answer without end (-n 0 and -1 generated on toward the trained context)
         (["chat", "", "-n", "0"], r"error: Invalid value for '-n' / '--n-predict': 0 is not in the range x>=1", 2),
