@@ -13,7 +13,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ahakv_local"
 
 # bottom to top; a module may import from its own layer or any layer below, never from one above
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundations", {"errors", "paths", "extras", "budget", "fixture", "gguf_header", "models", "upstream", "words"}),
+    (
+        "foundations",
+        {"errors", "paths", "extras", "budget", "fixture", "gguf_header", "models", "upstream", "words", "textfile"},
+    ),
     ("native boundary", {"info", "native", "build", "rpc", "saved_chat"}),
     ("engine and policies", {"engine", "policies"}),
     ("controller", {"controller", "groups", "adaptive"}),
