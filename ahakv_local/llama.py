@@ -43,16 +43,6 @@ from .policies import make_policy
 from .session import SessionSpec, guide
 
 
-def message_text(content) -> str | None:
-    """The text of a chat message's content: a string, or OpenAI's content parts (their text parts, joined)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = [p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text" and "text" in p]
-        return "\n".join(t for t in texts if isinstance(t, str)) or None
-    return None
-
-
 class Stopped(Exception):
     """Raised by ``eval`` when ``Llama.should_stop()`` says so: the generation (or the prompt being read)
     ends before the next decode call, with the cache consistent up to the last one."""
@@ -372,7 +362,7 @@ class Llama(llama_cpp.Llama):
             kv_query = self._kv_query_default
         if kv_query is True:  # the question is the last user message, not the template's last paragraph
             users = [m.get("content") for m in messages if m.get("role") == "user"]
-            kv_query = message_text(users[-1]) if users else None
+            kv_query = (upstream.message_text(users[-1], "\n") or None) if users else None
         self._chat_question = kv_query
         try:
             return super().create_chat_completion(messages, *args, **kwargs)

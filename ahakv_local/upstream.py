@@ -237,6 +237,16 @@ TRANSCRIPT_ROLES = {"user": "User", "assistant": "Assistant"}
 TRANSCRIPT_STOP = ("\nUser:", "\nAssistant:")  # a base model goes on to write the next turns itself
 
 
+def message_text(content, sep: str = "") -> str:
+    """The text of a chat message's content: a string as it is, or the text of OpenAI's content parts joined by
+    ``sep`` (the parts without text, an image's, add nothing)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return sep.join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
 def transcript(messages: list[dict], generation_prompt: bool = True, **_):
     """A chat as a transcript: the system prompt as the first paragraph, then "User: ..." and "Assistant: ..."
     lines, ending in "Assistant:" for the model to continue (a reply's own leading space is kept as it came)."""
@@ -244,9 +254,7 @@ def transcript(messages: list[dict], generation_prompt: bool = True, **_):
 
     lines = []
     for m in messages:
-        content = m.get("content") or ""
-        if not isinstance(content, str):  # OpenAI's list of parts: the text ones
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        content = message_text(m.get("content"))
         if m.get("role") == "system":
             lines.append(f"{content}\n")
             continue
