@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -93,6 +93,10 @@ class ModelInfo:
         except AhakvError:
             return False
         return True
+
+    def layers_bytes(self, layer_cells: Sequence[int], kv_type: str = "f16") -> int:
+        """K+V bytes of caches holding ``layer_cells[l]`` cells for each layer l (every layer's rows are alike)."""
+        return sum(layer_cells) * self.cell_bytes(1, kv_type, kv_type)
 
     def cache_layout(self, kv_type: str = "f16") -> CacheLayout:
         """What laying out a budget needs (``budget.allocate``), from the header alone, K and V of ``kv_type``: what
@@ -309,7 +313,7 @@ def describe(info: ModelInfo, context: int | None, n_ubatch: int = 512, at: Budg
         )
         baselines.append(("the full cache", cache.bytes))
     if at is not None:
-        allocated = sum(at.layer_cells) * info.cell_bytes(1, at.kv_type, at.kv_type)  # every layer's rows are alike
+        allocated = info.layers_bytes(at.layer_cells, at.kv_type)
         sliding = info.layer_sliding or (False,) * info.n_layer
         parts = " + ".join(
             f"{name} {_cells({c for c, s in zip(at.layer_cells, sliding, strict=True) if s == kind})} cells"

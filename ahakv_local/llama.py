@@ -110,7 +110,7 @@ def check_cells(
     if budget is not None:
         check_trained_context(budget, info.n_ctx_train)
     if layer_cells:  # what the caches really take (a natural byte budget was refused for its larger cache x 18)
-        need = sum(layer_cells) * info.cell_bytes(1, kv_type, kv_type)
+        need = info.layers_bytes(layer_cells, kv_type)
     else:
         need = cells * info.kv_bytes_per_token()
     free = available_memory()
