@@ -166,8 +166,18 @@ def _cells(budgets: str, n_tokens: int, floor: int) -> list[int]:
 def _below_trained(cells: list[int], trained: int) -> None:
     """Refuse a budget of more cells than the model has positions (``trained``), as generate does (it ran, and
     reported a "compression" below 1x)."""
-    if max(cells) > trained:
-        raise AhakvError(f"budget {max(cells)} cells exceeds the model's trained context of {trained} positions")
+    from .budget import Budget, check_trained_context
+
+    check_trained_context(Budget.parse(max(cells)), trained)
+
+
+def _lengths_fit(lengths: list[int], answer_tokens: int, trained: int) -> None:
+    """Refuse a prompt length that, with its answer, runs past the model's trained context (it failed there, after
+    the full cache's run)."""
+    if trained and max(lengths) + answer_tokens > trained:
+        raise AhakvError(
+            f"length {max(lengths)} (+{answer_tokens} answer tokens) is past the model's trained context {trained}"
+        )
 
 
 def bad_value(option: str, message: str) -> click.BadParameter:
@@ -342,6 +352,7 @@ def eval_needle(
     model, filler_file, lengths, depths, budgets, policies, trials, seed, sinks, recent, out_dir, rpc, threads
 ) -> None:
     """Passkey retrieval: a number hidden in filler text at several lengths and depths, per policy."""
+    from .needle import ANSWER_TOKENS as NEEDLE_ANSWER_TOKENS
     from .needle import run_needle
     from .report import write_needle_report
 
@@ -362,8 +373,7 @@ def eval_needle(
 
     trained = read_info(path).n_ctx_train
     _below_trained(cells, trained)
-    if trained and max(lens) + 8 > trained:  # a prompt and its 8 answer tokens (it failed after the full cache's run)
-        raise AhakvError(f"length {max(lens)} (+8 answer tokens) is past the model's trained context {trained}")
+    _lengths_fit(lens, NEEDLE_ANSWER_TOKENS, trained)
     from .session import SessionSpec
 
     schedule = dict(n_sink=sinks, n_recent=recent)
@@ -462,8 +472,7 @@ def eval_longdoc(
     for name in layouts:  # before the full cache's runs, not after them
         check_layer_kinds(name, info.n_layer_swa, info.n_layer)
     answer = max(ANSWER_TOKENS[t] for t in task_list)
-    if trained and max(lens) + answer > trained:
-        raise AhakvError(f"length {max(lens)} (+{answer} answer tokens) is past the model's trained context {trained}")
+    _lengths_fit(lens, answer, trained)
     files = [str(f) for f in filler_files] or [str(p) for p in default_filler_files()]
     texts = [read_text(f) for f in files]
     rule = specs_rule(names, factors, readings, layouts, n_sink=sinks, n_recent=recent)

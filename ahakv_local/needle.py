@@ -27,6 +27,7 @@ INTRO = (
 )
 NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
 QUESTION = "\n\nWhat is the pass key? The pass key is"
+ANSWER_TOKENS = 8  # greedy tokens of an answer: a five-digit key and what follows it
 
 
 @dataclass
@@ -70,7 +71,7 @@ def run_needle(
     trials: int = 1,
     seed: int = 0,
     n_ubatch: int = 64,
-    answer_tokens: int = 8,
+    answer_tokens: int = ANSWER_TOKENS,
     progress: Callable[[int, int], None] = lambda done, total: None,
     rpc_servers: tuple[str, ...] = (),
     n_threads: int | None = None,
