@@ -355,13 +355,17 @@ def check_trained_context(budget: Budget, n_ctx_train: int) -> None:
         )
 
 
+# the product's eviction period, shorter only where a budget leaves it no room (default_evict_every)
+LONGEST_PERIOD = 32
+
+
 def default_evict_every(budget: Budget, n_sink: int = 4, n_recent: int = 32) -> int:
     """The eviction period the product uses: 32 decode steps, observed on the last one (tapping every
     step costs a third of the decode speed; see benchmarks/RESULTS.md), shorter for a budget too
     small to leave that much room; every step for ratio and auto budgets."""
     if budget.mode != "cells":
         return 1
-    return max(1, min(32, (int(budget.value) - n_sink - n_recent) // 4))
+    return max(1, min(LONGEST_PERIOD, (int(budget.value) - n_sink - n_recent) // 4))
 
 
 def parse_schedule(evict_every: int | None, observe_steps: int) -> tuple[int | None, int | None]:

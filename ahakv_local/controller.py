@@ -30,6 +30,7 @@ import numpy as np
 
 from .adaptive import LayerShares
 from .budget import (
+    LONGEST_PERIOD,
     PER_LAYER,
     QUERY_TOKENS,
     Allocation,
@@ -607,7 +608,7 @@ class KVController:
         cfg = self.config
         if not cfg.period_follows_budget:
             return cfg.evict_every
-        held = self.allocation(budget, every=32).groups[0] if budget.mode == "bytes" else budget  # the longest
+        held = self.allocation(budget, every=LONGEST_PERIOD).groups[0] if budget.mode == "bytes" else budget
         return default_evict_every(held, cfg.n_sink, cfg.n_recent)
 
     def fits(self, budget: Budget) -> bool:

@@ -18,6 +18,7 @@ import numpy as np
 
 from .budget import (
     KV_TYPE_AUTO,
+    LONGEST_PERIOD,
     NO_EVICTION,
     READINGS,
     Allocation,
@@ -106,8 +107,9 @@ class SessionSpec:
         budget = self.budget
         if budget.mode == "bytes":
             budget = allocate(
-                budget, layout, self.layer_budgets, chunk, 0, self.room(chunk), 32, self.sliding_share, self.keep
-            ).groups[0]
+                budget, layout, self.layer_budgets, chunk, 0, self.room(chunk), LONGEST_PERIOD, self.sliding_share,
+                self.keep,
+            ).groups[0]  # fmt: skip
         return default_evict_every(budget, self.n_sink, self.n_recent)
 
     def allocation(self, layout: CacheLayout, chunk: int, longest: int) -> Allocation:
