@@ -13,6 +13,7 @@ from . import __version__
 from .budget import DEFAULT_LAYER_BUDGETS, KV_TYPE_AUTO, LAYER_BUDGETS, READINGS
 from .cli_eval import (
     Count,
+    Positive,
     gpu_layers,
     n_gpu_layers_option,
     offloads_by_default,
@@ -211,9 +212,6 @@ class PolicyOption(click.Option):
 
         self.help = "Eviction policy: " + ", ".join(POLICIES) + "."
         return super().get_help_record(ctx)
-
-
-Positive = click.IntRange(min=1)
 
 
 def check_model(path, batch_size: int | None) -> None:
