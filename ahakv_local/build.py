@@ -66,7 +66,7 @@ class BuildPlan:
         parts = [
             SDIST_SHA256,
             self.patch_hash,
-            " ".join(self.cmake_args),
+            shlex.join(self.cmake_args),  # as CMAKE_ARGS is handed over (the same string for unquoted flags)
             platform.machine(),
             sys.platform,
             f"py{sys.version_info.major}",
@@ -75,7 +75,7 @@ class BuildPlan:
 
     @property
     def flags_key(self) -> str:
-        return hashlib.sha256(" ".join(self.cmake_args).encode()).hexdigest()[:12]
+        return hashlib.sha256(shlex.join(self.cmake_args).encode()).hexdigest()[:12]
 
 
 # what ggml-vulkan compiles with: (what it is, where it is found, the Debian package that installs it)
@@ -104,6 +104,8 @@ def missing_vulkan_packages() -> list[str]:
 def plan(
     cuda: bool = False, metal: bool = False, cmake_args: str = "", vulkan: bool = False, rpc: bool = False
 ) -> BuildPlan:
+    if cuda and metal:  # ggml has no build with both (Metal is Apple's, CUDA is not there)
+        raise AhakvError("--cuda and --metal cannot be built together: pick the one this machine has")
     args = list(BASE_CMAKE_ARGS)
     if leaves_out_amx():
         args += NO_AMX_CMAKE_ARGS
@@ -115,7 +117,11 @@ def plan(
         args.append("-DGGML_VULKAN=ON")
     if rpc:  # the RPC backend in libggml, and its worker built from the same patched tree
         args.append("-DGGML_RPC=ON")
-    args += shlex.split(os.environ.get("CMAKE_ARGS", "")) + shlex.split(cmake_args)
+    for where, text in (("$CMAKE_ARGS", os.environ.get("CMAKE_ARGS", "")), ("--cmake-args", cmake_args)):
+        try:
+            args += shlex.split(text)
+        except ValueError as exc:  # "No closing quotation", "No escaped character"
+            raise AhakvError(f"{where} {text!r}: {str(exc).lower()}") from None
     patches = tuple(sorted(patch_dir().glob("*.patch")))
     if not patches:
         raise AhakvError(f"no patches found in {patch_dir()}")
@@ -206,7 +212,8 @@ def apply_patches(tree: Path, patches: tuple[Path, ...]) -> None:
 
 def build_wheel(tree: Path, build_dir: Path, out: Path, cmake_args: tuple[str, ...]) -> Path:
     require("build")
-    env = dict(os.environ, CMAKE_ARGS=" ".join(cmake_args))
+    # scikit-build-core shell-splits CMAKE_ARGS: a value with spaces (-DCMAKE_C_FLAGS="-O3 -march=x") stays one
+    env = dict(os.environ, CMAKE_ARGS=shlex.join(cmake_args))
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
     out.mkdir(parents=True, exist_ok=True)
     log_file = build_dir.parent / f"{build_dir.name}.log"
@@ -302,8 +309,16 @@ def ensure_engine(
             f"apt-get install {' '.join(missing)}"
         )
     start = time.monotonic()
-    sdist = fetch_sdist()
     work = cache_dir() / "work" / bp.flags_key
+    for folder in (cache_dir() / "sdist", work, wheel_dir):  # before the download, not after the compile
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise AhakvError(
+                f"cannot write the engine cache {folder} ({exc.strerror or exc}): "
+                "set AHAKV_CACHE_DIR to a writable folder"
+            ) from None
+    sdist = fetch_sdist()
     tree = unpack(sdist, work / "src")
     apply_patches(tree, bp.patches)
     wheel = build_wheel(tree, work / "build", work / "dist", bp.cmake_args)

@@ -71,7 +71,7 @@ class EngineConfig:
     n_batch: int = 512  # tokens per llama_decode call
     n_ubatch: int = 512  # tokens per graph evaluation
     n_threads: int | None = None  # default: AHAKV_THREADS, else every core
-    n_gpu_layers: int = 0
+    n_gpu_layers: int | None = None  # None: every layer on ``rpc_servers`` where given, else none (rpc.default_layers)
     flash_attn: bool = False  # on: the tap's ATTN is the side pass at scale 1 (the flash kernel keeps its softmax)
     type_k: str = "f16"
     type_v: str = "f16"
@@ -88,7 +88,7 @@ class EngineConfig:
     # cache is the one that composes several); None: the model's own caches
     layer_groups: tuple[int, ...] | None = None
     n_seq: int = 1  # sequences sharing the context (views); more than one uses one unified KV stream
-    # llama.cpp RPC workers ("host:port") holding the model's layers (all of them unless n_gpu_layers says)
+    # llama.cpp RPC workers ("host:port") holding the model's layers (all of them unless n_gpu_layers says: 0 none)
     rpc_servers: tuple[str, ...] = ()
     # the CPU's repacked weight layouts (llama.cpp's default); their kernels round differently from the plain
     # ones an RPC worker runs, so a local run compared with a worker's turns this off
@@ -184,7 +184,8 @@ class Engine:
         self.path = path
 
         mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = config.n_gpu_layers
+        layers = config.n_gpu_layers
+        mparams.n_gpu_layers = rpc.default_layers(config.rpc_servers) if layers is None else layers
         # the device array lives as long as the engine
         self._rpc = rpc.Devices(rpc.parse_servers(config.rpc_servers)) if config.rpc_servers else None
         rpc.configure(mparams, self._rpc, config.repack_weights)

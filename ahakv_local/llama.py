@@ -186,6 +186,8 @@ class Llama(llama_cpp.Llama):
         self._kv: KVController | None = None
         # llama.cpp RPC workers for the layers (checked now: llama.cpp would abort on one it cannot reach)
         self.rpc_servers = rpc.parse_servers(rpc_servers) if rpc_servers else ()
+        if self.rpc_servers:  # llama-cpp-python's default of 0 layers would leave the workers idle
+            kwargs.setdefault("n_gpu_layers", rpc.default_layers(self.rpc_servers))
         self._rpc_devices = rpc.Devices(self.rpc_servers) if self.rpc_servers else None
         self._repack_weights = repack_weights
         # checked before every decode call (each prompt chunk, each token): a server stops a generation whose

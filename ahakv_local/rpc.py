@@ -53,7 +53,8 @@ def parse_servers(spec: str | Sequence[str]) -> tuple[str, ...]:
         raise AhakvError(f"no RPC worker in {spec!r}: give HOST:PORT[,HOST:PORT...]")
     for ep in endpoints:
         host, sep, port = ep.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        # ASCII digits only: str.isdigit() takes "٥٠١٠٠" and "5²", which llama.cpp's parser aborts on
+        if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             raise AhakvError(f"bad RPC worker address {ep!r}: expected HOST:PORT with a port from 1 to 65535")
         if ":" in host:  # llama.cpp splits at the first ':', so an IPv6 literal cannot be addressed
             raise AhakvError(f"bad RPC worker address {ep!r}: use a host name or an IPv4 address")
@@ -67,15 +68,25 @@ def check_worker(endpoint: str, timeout: float = 5.0) -> None:
     (A worker serves one client at a time; this connection is closed before the model's own one opens.)"""
     host, _, port = endpoint.rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-            sock.sendall(struct.pack("<BQ", _HELLO, _CAPS) + bytes(_CAPS))
-            reply = _recv(sock, 8 + 4 + _CAPS)
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
     except OSError as exc:
         why = exc.strerror or str(exc) or type(exc).__name__
         raise AhakvError(
             f"cannot reach the RPC worker {endpoint} ({why}): start one there with "
             f"`ahakv-local rpc-server --host HOST --port {port}`"
         ) from None
+    with sock:
+        try:
+            sock.sendall(struct.pack("<BQ", _HELLO, _CAPS) + bytes(_CAPS))
+            reply = _recv(sock, 8 + 4 + _CAPS)
+        except TimeoutError:  # it accepted the connection: a worker serving someone else answers only when free
+            raise AhakvError(
+                f"{endpoint} accepted the connection but did not answer the RPC handshake within {timeout:g} s: "
+                "a worker busy with another client (it serves one at a time), or not an RPC worker"
+            ) from None
+        except OSError as exc:
+            why = exc.strerror or str(exc) or type(exc).__name__
+            raise AhakvError(f"the RPC worker {endpoint} closed the handshake ({why})") from None
     (size,) = struct.unpack_from("<Q", reply)
     major, minor = reply[8], reply[9]
     if size != 4 + _CAPS or major != PROTO_MAJOR or minor > PROTO_MINOR:
@@ -83,6 +94,21 @@ def check_worker(endpoint: str, timeout: float = 5.0) -> None:
             f"{endpoint} is not an RPC worker of this engine (protocol {major}.{minor}, expected {PROTO_MAJOR}.x): "
             "start it with `ahakv-local rpc-server` from the same ahakv-local"
         )
+
+
+def worker_address(endpoint: str) -> tuple[str, int]:
+    """(IPv4 address, port) of ``HOST:PORT``: what tells two names of one worker apart from two workers. An
+    unresolvable host is an AhakvError, as llama.cpp would abort on it."""
+    host, _, port = endpoint.rpartition(":")
+    return resolve_ipv4(host, f"the RPC worker {endpoint}"), int(port)
+
+
+def resolve_ipv4(host: str, what: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except (OSError, UnicodeError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise AhakvError(f"cannot resolve the host of {what} ({why})") from None
 
 
 def _recv(sock: socket.socket, n: int) -> bytes:
@@ -103,11 +129,17 @@ class Devices:
         from . import upstream
 
         self.endpoints = tuple(endpoints)
+        # one worker under two names (localhost and 127.0.0.1, a port 050100) would take a second connection,
+        # which a worker serving one client at a time leaves waiting for ever
+        self.workers = tuple(worker_address(ep) for ep in self.endpoints)
+        for ep, worker in zip(self.endpoints, self.workers, strict=True):
+            if self.workers.count(worker) > 1:
+                raise AhakvError(f"RPC worker listed twice: {ep} is {worker[0]}:{worker[1]}, as another address is")
         # every address before llama.cpp sees one (it aborts on a bad one); not those a live model of this
         # process is connected to: a worker serves one connection at a time, so a probe would wait there
-        busy = {ep for devices in _IN_USE for ep in devices.endpoints}
-        for ep in self.endpoints:
-            if ep not in busy:
+        busy = {w for devices in _IN_USE for w in devices.workers}
+        for ep, worker in zip(self.endpoints, self.workers, strict=True):
+            if worker not in busy:
                 check_worker(ep)
         ggml = upstream.ggml_cdll()
         for name, (argtypes, restype) in _GGML.items():
@@ -133,13 +165,17 @@ class Devices:
 
 
 def configure(params, devices: Devices | None, repack_weights: bool) -> None:
-    """Set a ``llama_model_params`` for these workers (none: this machine only) and weight repacking. With
-    workers and no layer count asked (0), every layer goes to them: that is what --rpc is for."""
+    """Set a ``llama_model_params`` for these workers (none: this machine only) and weight repacking. The layers
+    they hold are ``n_gpu_layers``'s, which the callers default to every layer with workers (``default_layers``)."""
     params.use_extra_bufts = repack_weights
     if devices is not None:
         params.devices = devices.pointer
-        if params.n_gpu_layers == 0:
-            params.n_gpu_layers = -1  # llama.cpp: a negative count is every layer
+
+
+def default_layers(rpc_servers: Sequence[str]) -> int:
+    """The layers offloaded when none are asked for: every one (llama.cpp's -1) with workers, that is what --rpc is
+    for; none without. An explicit 0 keeps every layer on this machine."""
+    return -1 if rpc_servers else 0
 
 
 _IN_USE: weakref.WeakSet[Devices] = weakref.WeakSet()  # the devices of models this process holds
@@ -168,6 +204,10 @@ def check_port_free(host: str, port: int) -> None:
 def serve(host: str, port: int, threads: int | None) -> None:
     """Replace this process by the worker (signals and exit code are the worker's own)."""
     exe = server_binary()
+    # the worker takes a numeric IPv4 address only: a name failed there with exit code 0
+    host = resolve_ipv4(host, f"--host {host!r}") if host else ""
+    if not host:
+        raise AhakvError("--host is empty: give an IPv4 address or a host name (127.0.0.1, 0.0.0.0, a LAN address)")
     check_port_free(host, port)
     args = [str(exe), "--host", host, "--port", str(port)]
     if threads:

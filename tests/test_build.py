@@ -133,3 +133,58 @@ def test_build_vulkan_without_its_packages_is_a_one_line_error(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
     assert re.fullmatch(r"error: a Vulkan build needs .*: apt-get install( \S+)* glslc( \S+)*", lines[0]), lines[0]
+
+
+def test_a_quoted_cmake_value_reaches_cmake_as_one_argument(tmp_path, monkeypatch):
+    """scikit-build-core shell-splits CMAKE_ARGS (builder.py), so the flags are handed over shell-quoted: a
+    -DCMAKE_C_FLAGS with two flags stayed one argument in the plan but reached CMake as two ("-march=haswell"
+    alone). The compile is stopped at `run`, which records what it was given."""
+    import shlex
+
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    bp = build.plan(cmake_args='-DCMAKE_C_FLAGS="-mno-amx-int8 -march=haswell" -DGGML_RPC=ON')
+    assert bp.cmake_args[-2:] == ("-DCMAKE_C_FLAGS=-mno-amx-int8 -march=haswell", "-DGGML_RPC=ON")
+    seen = {}
+
+    def record(cmd, cwd=None, env=None, log_file=None):
+        seen["args"] = env["CMAKE_ARGS"]
+        raise RuntimeError("stopped before compiling")
+
+    monkeypatch.setattr(build, "run", record)
+    with pytest.raises(RuntimeError, match="stopped before compiling"):
+        build.build_wheel(tmp_path / "src", tmp_path / "build", tmp_path / "dist", bp.cmake_args)
+    assert tuple(shlex.split(seen["args"])) == bp.cmake_args
+    # flags without quotes give the same string as before, so existing engines keep their keys
+    assert shlex.join(build.plan().cmake_args) == " ".join(build.plan().cmake_args)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cmake-args", '-DFOO="bar'], "--cmake-args '-DFOO=\"bar': no closing quotation"),
+        (["--cuda", "--metal"], "--cuda and --metal cannot be built together: pick the one this machine has"),
+    ],
+)
+def test_a_bad_build_request_is_one_line_before_anything_is_fetched(args, message, monkeypatch):
+    from click.testing import CliRunner
+
+    from ahakv_local.cli import main
+
+    monkeypatch.setattr(build, "fetch_sdist", lambda: pytest.fail("went on to the download"))
+    result = CliRunner().invoke(main, ["build", *args, "--force"])
+    assert result.exit_code == 1 and result.output.strip().splitlines() == [f"error: {message}"], result.output
+
+
+def test_a_cache_that_cannot_be_written_is_one_line_before_the_download(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from ahakv_local.cli import main
+
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("AHAKV_CACHE_DIR", str(tmp_path / "afile" / "cache"))  # under a file: not a directory
+    monkeypatch.setattr(build, "fetch_sdist", lambda: pytest.fail("went on to the download"))
+    result = CliRunner().invoke(main, ["build", "--force"])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and len(lines) == 1, result.output
+    assert lines[0].startswith(f"error: cannot write the engine cache {tmp_path / 'afile' / 'cache'}"), lines[0]
+    assert "set AHAKV_CACHE_DIR to a writable folder" in lines[0]

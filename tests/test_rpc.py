@@ -25,6 +25,8 @@ from ahakv_local import build, rpc, upstream
 from ahakv_local.cli import main
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.errors import AhakvError
+from ahakv_local.fixture import FixtureSpec
+from ahakv_local.models import fixture_path
 from ahakv_local.native import TapFlag
 from ahakv_local.session import SessionSpec, open_session
 
@@ -183,6 +185,39 @@ def test_serve_parallel_takes_rpc(workers, fixture_model):
         pool.engine.close()
 
 
+def test_one_worker_under_two_names_is_refused(workers):
+    """A second connection to a worker that serves one client at a time waits for ever: llama.cpp hung with
+    127.0.0.1:P,localhost:P (or a port written 0P). Refused before any connection, in one line."""
+    port = workers.split(",")[0].rsplit(":", 1)[1]
+    for twice in (f"127.0.0.1:{port},localhost:{port}", f"127.0.0.1:{port},127.0.0.1:0{port}"):
+        with pytest.raises(AhakvError, match=f"RPC worker listed twice: .* is 127.0.0.1:{port}"):
+            rpc.Devices(rpc.parse_servers(twice))
+
+
+def test_layers_stay_local_with_ngl_0(workers, fixture_model, capfd):
+    """README: "`-ngl 0` keeps them on the CPU"; an explicit 0 was read as "not asked" and every layer went to the
+    workers. Not asking still puts every layer there, for the engine and the drop-in, whose default layout then is
+    the offloaded one (natural) as with -ngl -1."""
+    from ahakv_local import Llama
+
+    servers = tuple(workers.split(","))
+    for layers, where in ((0, "CPU"), (None, "RPC")):
+        with Engine(fixture_model, config(rpc_servers=servers, n_gpu_layers=layers, verbose=True)) as engine:
+            n_layer = engine.n_layer
+        placed = re.findall(r"layer +\d+ assigned to device (\S+),", capfd.readouterr().err)
+        assert len(placed) == n_layer + 1 and all(dev.startswith(where) for dev in placed), (layers, placed)
+    gemma3 = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))  # sliding and full layers: adaptive on the CPU
+    kw = dict(kv_budget=48, n_ctx=256, n_threads=1, verbose=False, rpc_servers=workers)
+    for asked, layers, layout in (({}, -1, "natural"), ({"n_gpu_layers": 0}, 0, "adaptive")):
+        llm = Llama(str(gemma3), **kw, **asked)
+        try:
+            # (llama-cpp-python stores -1, every layer, as INT_MAX)
+            offloaded = llm.model_params.n_gpu_layers != 0
+            assert (offloaded, llm.kv_stats().layer_budgets) == (layers != 0, layout), asked
+        finally:
+            llm.close()
+
+
 def test_gemma_ahakv_budget_128_greedy_equals_local_without_repacking(workers, gemma_model, license_text):
     spec = SessionSpec.bounded("ahakv", 128)
 
@@ -204,7 +239,21 @@ def one_line(result, pattern: str) -> None:
     assert pattern in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("bad", ["localhost", "host:", ":50052", "host:port", "host:0", "host:70000", "::1:5"])
+# (the last two: digits str.isdigit() takes and llama.cpp's parser aborts the process on)
+BAD_ADDRESSES = [
+    "localhost",
+    "host:",
+    ":50052",
+    "host:port",
+    "host:0",
+    "host:70000",
+    "::1:5",
+    "host:\u0665\u0660",
+    "host:5\u00b2",
+]
+
+
+@pytest.mark.parametrize("bad", BAD_ADDRESSES)
 def test_bad_worker_address(bad):
     with pytest.raises(AhakvError, match="bad RPC worker address"):
         rpc.parse_servers(f"127.0.0.1:50052,{bad}")
@@ -242,7 +291,7 @@ def test_a_port_that_is_not_a_worker():
     with socket.socket() as server:  # listens, never answers the handshake
         server.bind(("127.0.0.1", 0))
         server.listen()
-        with pytest.raises(AhakvError, match="cannot reach the RPC worker .*timed out"):
+        with pytest.raises(AhakvError, match="accepted the connection but did not answer the RPC handshake"):
             rpc.check_worker(f"127.0.0.1:{server.getsockname()[1]}", timeout=0.5)
 
 
@@ -262,6 +311,20 @@ def test_a_client_engine_without_the_rpc_backend(workers, fixture_model, monkeyp
     monkeypatch.setattr(upstream, "ggml_cdll", NoRpcBackend)
     with pytest.raises(AhakvError, match=r"no RPC backend: run `ahakv-local build --rpc`"):
         Engine(fixture_model, config(rpc_servers=tuple(workers.split(","))))
+
+
+@pytest.mark.parametrize("host", ["localhost", "", "no-such-host.invalid"])
+def test_rpc_server_host_names(host, monkeypatch):
+    """The worker takes a numeric IPv4 address only: `--host localhost` failed there and exited 0. A name is
+    resolved here (the worker gets its address), one that does not resolve is one line and exit 1."""
+    seen = []
+    monkeypatch.setattr(rpc.os, "execv", lambda exe, args: seen.append(args))
+    result = CliRunner().invoke(main, ["rpc-server", "--host", host, "--port", str(free_port())])
+    if host == "localhost":
+        assert result.exit_code == 0 and seen and seen[0][seen[0].index("--host") + 1] == "127.0.0.1", result.output
+    else:
+        assert not seen
+        one_line(result, "--host")
 
 
 def test_rpc_server_on_a_port_in_use(workers):
