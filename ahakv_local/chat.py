@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import click
 
@@ -40,9 +41,8 @@ HELP = """commands:
   /save FILE        save the conversation and its cache
   /load FILE        restore a conversation saved with /save
   /exit             quit (also Ctrl-D, or Ctrl-C twice)
-A line ending in \\ continues on the next line; \"\"\" starts and ends a multi-line block.""".format(
-    policies=", ".join(POLICIES)
-)
+A line ending in \\ continues on the next line; \"\"\" starts and ends a multi-line block (a message,
+even where its first line starts with /).""".format(policies=", ".join(POLICIES))
 
 
 @dataclass
@@ -65,20 +65,30 @@ class ChatSession:
         self._pin_system_prompt()
 
     def _pin_system_prompt(self) -> None:
-        """Pin the tokens that render the system prompt: the common prefix of two renderings that
-        differ only in the user's message."""
+        """Pin the tokens that render the system prompt (none without one: a pin left from another system prompt, a
+        loaded chat's, would keep the user's first tokens)."""
         kv = self.llm.kv_controller
-        if kv is None or not self.system:
-            return
-        system = [{"role": "system", "content": self.system}]  # only the system prompt, whatever follows it
-        a, b = (self._prompt_tokens(system + [{"role": "user", "content": x}]) for x in ("A", "B"))
+        if kv is not None:
+            kv.config.pinned = self._system_span(self.system)
+
+    def _system_span(self, system: str | None) -> tuple[int, int] | None:
+        """The tokens that render ``system``: the common prefix of two renderings that differ only in the user's
+        message; checked to fit the budget beside the sinks and the recent tokens (nothing is changed)."""
+        kv = self.llm.kv_controller
+        if kv is None or not system:
+            return None
+        only = [{"role": "system", "content": system}]  # only the system prompt, whatever follows it
+        a, b = (self._prompt_tokens(only + [{"role": "user", "content": x}]) for x in ("A", "B"))
         n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        pinned = kv.config.pinned
         kv.config.pinned = (0, n)
         try:  # never evicted: the budget must hold it beside the sinks and the recent tokens
             kv.check_floor(kv.config.budget)
         except AhakvError as exc:
-            kv.config.pinned = None
             raise AhakvError(f"the system prompt is {n} tokens, kept whole: {exc}") from None
+        finally:
+            kv.config.pinned = pinned
+        return (0, n)
 
     def _prompt_tokens(self, messages: list[dict], generation_prompt: bool = True) -> list[int]:
         """The tokens the chat handler would decode for ``messages`` (the GGUF's own template, or a transcript)."""
@@ -172,9 +182,11 @@ class ChatSession:
 
     def load(self, path: Path) -> str:
         """Restore a chat saved with /save; a file that is not one (or of another model) changes nothing."""
-        messages, system = load_chat(path, self.llm)
+        pin = []  # the loaded system prompt's span, checked before the cache is touched
+        messages, system = load_chat(path, self.llm, accept=lambda system: pin.append(self._system_span(system)))
         self.messages, self.system = messages, system
-        self._pin_system_prompt()
+        if self.llm.kv_controller is not None:
+            self.llm.kv_controller.config.pinned = pin[0]
         return f"loaded {len(messages)} messages, {self.llm.kv_stats().cells_used} cached tokens"
 
     def read_document(self, path: Path, stop: Callable[[], bool] = lambda: False) -> str:
@@ -218,7 +230,13 @@ class ChatSession:
         return json.dumps(self.messages, indent=1, ensure_ascii=False)
 
 
-def read_message(prompt: str) -> str:
+class Typed(NamedTuple):
+    text: str
+    block: bool  # typed between two \"\"\" lines: a message, whatever its first line looks like
+    lines: int  # lines typed (a continued line counts each): a /command is one line
+
+
+def read_message(prompt: str) -> Typed:
     """One message: lines ending in a backslash continue; a \"\"\" line opens and closes a block. The input's end
     inside a block or after a backslash ends the message there (what was typed is sent, not dropped); prompts are
     shown to a terminal only (``chat < questions > answers`` keeps them out of the answers)."""
@@ -229,13 +247,13 @@ def read_message(prompt: str) -> str:
         with contextlib.suppress(EOFError):
             while (line := input(more)).strip() != '"""':
                 lines.append(line)
-        return "\n".join(lines)
+        return Typed("\n".join(lines), block=True, lines=len(lines))
     lines = [first]
     with contextlib.suppress(EOFError):
         while lines[-1].endswith("\\"):
             lines[-1] = lines[-1][:-1]
             lines.append(input(more))
-    return "\n".join(lines)
+    return Typed("\n".join(lines), block=False, lines=len(lines))
 
 
 def setup_history() -> None:
@@ -294,7 +312,7 @@ def _repl(session: ChatSession) -> None:
     interrupted = False
     while True:
         try:
-            text = read_message("> ")
+            text, block, lines = read_message("> ")
         except EOFError:
             click.echo()
             return
@@ -308,9 +326,11 @@ def _repl(session: ChatSession) -> None:
         interrupted = False
         if not text.strip():
             continue
-        if text.startswith("/"):
+        if text.startswith("/") and not block:  # (a block's "/etc/hosts maps names ..." is a message)
             cmd, _, arg = text.strip().partition(" ")
             try:
+                if lines > 1:  # "/save notes\" and "for monday.chat": a file name with a newline in it
+                    raise AhakvError(f"{cmd} takes one line: a line ending in \\ continues a message, not a command")
                 if cmd in ("/exit", "/quit"):
                     return
                 with StopOnInterrupt() as stop:  # the first Ctrl-C stops a /read, a second one exits

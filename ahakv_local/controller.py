@@ -815,13 +815,27 @@ class KVController:
             return False
         if min(holding_of(n, e.config.n_ubatch, self.config.room).value for n in cells) < 1:
             return False
-        kinds = [bool(g.window) for g in self.groups]  # in cache order, as ``cells``
+        even = self._even_split().cache_cells
+        return all(a <= b for a, b in zip(self._per_kind(cells), self._per_kind(even), strict=True))
 
-        def per_kind(sizes: Sequence[int]) -> list[int]:
-            return [sum(n for n, k in zip(sizes, kinds, strict=True) if k == kind) for kind in (False, True)]
+    def _per_kind(self, sizes: Sequence[int]) -> list[int]:
+        """The cells of the full-attention and of the sliding-window caches, summed (``sizes`` in cache order)."""
+        kinds = [bool(g.window) for g in self.groups]
+        return [sum(n for n, k in zip(sizes, kinds, strict=True) if k == kind) for kind in (False, True)]
 
-        even = self.allocation(self.config.budget, [1.0] * len(self.groups)).cache_cells
-        return all(a <= b for a, b in zip(per_kind(cells), per_kind(even), strict=True))
+    def _even_split(self) -> Allocation:
+        return self.allocation(self.config.budget, [1.0] * len(self.groups))
+
+    def fill_budget(self) -> None:
+        """After a state saved in smaller caches (``take_sizes``: a chat saved at a smaller budget), grow them back to
+        this budget's even shares before the next decode (the state moves with them): they stayed that small for
+        good, under a budget that said more, and a /budget of its own size was refused."""
+        if self.shares is None:
+            return
+        even = self._even_split()
+        if self._per_kind(self.engine.cache_sizes()) != self._per_kind(even.cache_cells):
+            self.shares.restart(self.engine.n_past)
+            self._hold(even)
 
     def take_sizes(self, cells: tuple[int, ...]) -> None:
         """Empty the sequence and give the caches ``cells`` (a saved state's, made where adaptive shares had

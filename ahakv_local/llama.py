@@ -491,6 +491,8 @@ class Llama(llama_cpp.Llama):
                 f"this state was saved from another model or context (logits {scores.shape}, "
                 f"this model has a vocabulary of {n_vocab} and {self.scores.shape[0]} rows)"
             )
+        if not state.llama_state_size:  # llama.cpp "reads" an empty one, then every decode fails
+            raise ValueError("this state holds no cache (llama.cpp's state data is empty)")
         if not 0 <= state.n_tokens <= self._n_ctx or len(state.input_ids) < state.n_tokens:
             raise ValueError(f"this state holds {state.n_tokens} tokens, more than this context's {self._n_ctx}")
         ids = np.zeros(self._n_ctx, dtype=np.intc)
@@ -517,6 +519,7 @@ class Llama(llama_cpp.Llama):
         if self._kv is not None:
             self._kv_engine.n_past = self.n_tokens
             self._kv.resync()
+            self._kv.fill_budget()
 
     # -- resources --------------------------------------------------------------------------------
 

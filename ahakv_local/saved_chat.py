@@ -12,8 +12,12 @@ foreign file is refused with one line and the running conversation stays as it w
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import os
+import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +34,33 @@ ROLES = {"system", "user", "assistant"}
 MAX_META_BYTES = 64 * 2**20  # a conversation's JSON; anything larger is not one of ours
 
 
+WEIGHT_SAMPLES, SAMPLE_BYTES = 16, 64 * 2**10
+
+
 def model_identity(llm) -> dict[str, Any]:
-    """What a state depends on: the same weights' shapes and vocabulary (the file name may differ)."""
+    """What a state depends on: the same weights (the file name may differ): their shapes, vocabulary, file size and
+    a digest of samples of the file (two models of one shape and size, two fine-tunes or two seeds, differ there)."""
+    path = Path(llm.model_path)
     return {
         "n_vocab": llm.n_vocab(),
         "n_embd": llm.n_embd(),
         "n_layer": llm.kv_engine.n_layer,
         "n_ctx_train": llm.kv_engine.n_ctx_train,
-        "file_bytes": Path(llm.model_path).stat().st_size,
+        "file_bytes": path.stat().st_size,
+        "weights_sha256": weights_digest(path),
     }
+
+
+def weights_digest(path: Path) -> str:
+    """sha256 of ``WEIGHT_SAMPLES`` slices of 64 KiB spread evenly over the file (all of a small one): reading a
+    model of gigabytes at every /save and /load would take seconds."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        for i in range(WEIGHT_SAMPLES):
+            f.seek(i * max(size - SAMPLE_BYTES, 0) // (WEIGHT_SAMPLES - 1))
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
 
 
 def kv_cache_kind(llm) -> dict[str, Any]:
@@ -71,23 +93,39 @@ def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None
         "layer_budgets": llm.kv_controller.config.layer_budgets if llm.kv_controller is not None else None,
         "kv_cache": kv_cache_kind(llm),
     }
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = None
     try:
-        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        # a new file of its own (a fixed "FILE.tmp" replaced a user's file of that name, or wrote through a link)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED) as z:
             z.writestr("chat.json", json.dumps(meta, ensure_ascii=False))
             z.writestr("state.bin", state.llama_state)
-        tmp.replace(path)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's file is private (0600); a saved chat is as any file written
+        os.replace(tmp, path)
     except OSError as exc:  # a missing folder, no permission, a full disk: one line, and no half-written file left
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         raise AhakvError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
-def load_chat(path: Path, llm) -> tuple[list[dict], str | None]:
-    """Check a saved chat and restore its cache into ``llm``; returns (messages, system prompt).
-    Every check runs before the cache is touched; AhakvError says what is wrong in one line."""
-    meta, blob = _read(path)
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def load_chat(
+    path: Path, llm, accept: Callable[[str | None], None] = lambda system: None
+) -> tuple[list[dict], str | None]:
+    """Check a saved chat and restore its cache into ``llm``; returns (messages, system prompt). Every check runs
+    before the cache is touched, ``accept(system)`` (the caller's, e.g. that the budget holds the system prompt)
+    last; AhakvError says what is wrong in one line."""
+    meta, blob = _read(path, max_state=max_state_bytes(llm))
     messages, system = _check(meta, llm, path)
+    if not blob:
+        raise AhakvError(f"{path} holds no cache state")
+    accept(system)
     state = upstream.make_state(
         input_ids=np.asarray(meta["input_ids"], dtype=np.intc),
         scores=np.zeros((0, llm.n_vocab()), dtype=np.single),  # logits are recomputed by the next decode
@@ -150,9 +188,18 @@ def _is_saved_chat(path: Path) -> bool:
     return True
 
 
-def _read(path: Path, state: bool = True) -> tuple[dict, bytes]:
+def max_state_bytes(llm) -> int:
+    """A bound on a state of ``llm``'s context: every layer's K and V in F32 at the context's cells, twice (a V head
+    wider than K's), the logits of a batch, and 1 MiB of llama.cpp's headers. A larger state.bin is no state of this
+    chat; unpacked unchecked, a zip of a few MB held gigabytes (memory the running conversation was then lost with)."""
+    e = llm.kv_engine
+    kv = 2 * (2 * 4 * e.n_layer * e.n_ctx * e.n_head_kv * e.head_dim)
+    return kv + 4 * llm.n_vocab() * e.config.n_batch + 2**20
+
+
+def _read(path: Path, state: bool = True, max_state: int | None = None) -> tuple[dict, bytes]:
     """A saved chat's metadata and state bytes, checked to be this version's (``state`` False: its metadata only, of
-    any version)."""
+    any version); a state.bin larger than ``max_state`` is not read."""
     if path.exists() and not (path.is_file() or path.is_dir()):  # a device, a pipe: read to its end, or forever
         raise AhakvError(f"{path} is not a saved ahakv-local chat (not a regular file)")
     try:
@@ -161,6 +208,8 @@ def _read(path: Path, state: bool = True) -> tuple[dict, bytes]:
             if info.file_size > MAX_META_BYTES:
                 raise AhakvError(f"{path} is not a saved ahakv-local chat (its metadata is too large)")
             meta = json.loads(z.read(info).decode("utf-8"))
+            if state and max_state is not None and z.getinfo("state.bin").file_size > max_state:
+                raise AhakvError(f"{path} holds a cache state larger than this chat's context can ({max_state} bytes)")
             blob = z.read("state.bin") if state else b""
     except FileNotFoundError:
         raise AhakvError(f"no such file: {path}") from None
@@ -177,7 +226,10 @@ def _read(path: Path, state: bool = True) -> tuple[dict, bytes]:
 
 def _check(meta: dict, llm, path: Path) -> tuple[list[dict], str | None]:
     saved, here = meta.get("model"), model_identity(llm)
-    if not isinstance(saved, dict) or any(saved.get(k) != v for k, v in here.items()):
+    # (files saved before the weights' digest was kept are checked without it)
+    if not isinstance(saved, dict) or any(
+        saved.get(k, v) != v if k == "weights_sha256" else saved.get(k) != v for k, v in here.items()
+    ):
         name = saved.get("name", "?") if isinstance(saved, dict) else "?"
         raise AhakvError(f"{path} was saved with another model ({name}), not {Path(llm.model_path).name}")
     messages, system = meta.get("messages"), meta.get("system")

@@ -354,6 +354,11 @@ def test_a_byte_budget_set_in_a_chat_gives_the_caches_its_bytes(sliding, tmp_pat
         assert kv.stats.evicted == before  # a larger budget evicts nothing
         if sliding:  # adaptive shares of a larger budget hold the smaller caches: loaded into them
             assert s.load(saved).startswith("loaded")
+            # and grown back to this budget before the next decode: they stayed small for good, under a budget that
+            # said more, and /budget of that very budget was refused as larger than the caches
+            s.llm.eval(s.llm.tokenize(b" and the day after?", add_bos=False))  # (where it was: see below)
+            assert Budget.parse(big).value - one_cell_each < e.kv_bytes() <= Budget.parse(big).value
+            assert s.set_budget(big).startswith(f"budget: {big[:-3]} KiB")
         else:
             with pytest.raises(
                 AhakvError,
@@ -497,3 +502,155 @@ def test_chat_commands_fuzzed(fixture_model, tmp_path_factory):
     finally:
         s.llm.close()
     assert tried["ok"] > 0 and tried["refused"] > 0, tried
+
+
+def test_save_writes_a_temporary_file_of_its_own(chat, tmp_path):
+    """/save FILE wrote FILE.tmp, then renamed it: a user's file of that name was gone, and a link of that name was
+    written through (the file it pointed to became a zip)."""
+    talk(chat, "hello")
+    (tmp_path / "talk.chat.tmp").write_text("backup notes")
+    thesis = tmp_path / "thesis.txt"
+    thesis.write_text("my thesis draft")
+    (tmp_path / "mine.chat.tmp").symlink_to(thesis)
+    command(chat, "/save", str(tmp_path / "talk.chat"))
+    command(chat, "/save", str(tmp_path / "mine.chat"))
+    assert (tmp_path / "talk.chat.tmp").read_text() == "backup notes" and thesis.read_text() == "my thesis draft"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "mine.chat", "mine.chat.tmp", "talk.chat", "talk.chat.tmp", "thesis.txt"
+    ]  # fmt: skip
+    assert chat.load(tmp_path / "talk.chat").startswith("loaded")
+    mode = (tmp_path / "talk.chat").stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask  # as any file the user writes, not mkstemp's private 0600
+
+
+def test_a_refused_load_keeps_the_conversation_and_its_cache(fixture_model, tmp_path):
+    """A chat whose system prompt the budget cannot pin: the refusal came after the cache and the messages had been
+    replaced (the running conversation lost, the loaded system prompt unpinned)."""
+    long_system = " ".join(["Always answer in full sentences about the weather."] * 2)
+    big = session(fixture_model, budget=256)
+    big.system = long_system
+    big.reset()
+    talk(big, "hello")
+    big.save(tmp_path / "long.chat")
+    big.llm.close()
+    s = session(fixture_model, budget=64)
+    try:
+        talk(s, "my name is Zed")
+        before, tokens = list(s.messages), list(s.llm.input_ids[: s.llm.n_tokens])
+        pinned = s.llm.kv_controller.config.pinned
+        with pytest.raises(AhakvError, match=r"the system prompt is \d+ tokens, kept whole"):
+            s.load(tmp_path / "long.chat")
+        assert s.messages == before and s.system == "You are terse." and s.llm.kv_controller.config.pinned == pinned
+        assert list(s.llm.input_ids[: s.llm.n_tokens]) == tokens
+    finally:
+        s.llm.close()
+
+
+def test_a_loaded_chat_without_a_system_prompt_pins_nothing(fixture_model, tmp_path):
+    plain = session(fixture_model)
+    plain.system = None
+    plain.reset()
+    talk(plain, "hello there")
+    plain.save(tmp_path / "plain.chat")
+    assert plain.set_budget("45").startswith("budget: 45")  # 4 sinks + 8 recent + a period: no pin to hold
+    plain.llm.close()
+    s = session(fixture_model)  # "You are terse." pinned
+    try:
+        s.load(tmp_path / "plain.chat")
+        assert s.system is None and s.llm.kv_controller.config.pinned is None
+        assert s.set_budget("45").startswith("budget: 45")
+        s.reset()
+        assert s.llm.kv_controller.config.pinned is None
+    finally:
+        s.llm.close()
+
+
+def test_a_state_too_large_or_empty_is_refused_unread(chat, tmp_path):
+    """state.bin was read whatever its size: a zip of 1 MB holding 1 GiB took 2.5 GB to refuse (3 MB: 6.7 GB), where a
+    little more was the OOM killer and a lost conversation; an empty one "loaded", and every later turn failed."""
+    from ahakv_local.saved_chat import max_state_bytes
+
+    talk(chat, "hello")
+    saved = tmp_path / "conv.chat"
+    command(chat, "/save", str(saved))
+    before, tokens = list(chat.messages), list(chat.llm.input_ids[: chat.llm.n_tokens])
+    meta = zipfile.ZipFile(saved).read("chat.json")
+    bound = max_state_bytes(chat.llm)
+    e = chat.llm.kv_engine
+    assert bound >= 2 * 4 * e.n_layer * e.n_ctx * e.n_head_kv * e.head_dim  # every cell in F32 fits under it
+    for name, blob, message in [
+        ("bomb", bytes(bound + 1), "holds a cache state larger than this chat's context can"),
+        ("empty", b"", "holds no cache state"),
+    ]:
+        path = tmp_path / f"{name}.chat"
+        with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+            z.writestr("chat.json", meta)
+            z.writestr("state.bin", blob)
+        with pytest.raises(AhakvError, match=message):
+            command(chat, "/load", str(path))
+        assert chat.messages == before and list(chat.llm.input_ids[: chat.llm.n_tokens]) == tokens
+    assert talk(chat, "still there?") is not None
+    with pytest.raises(ValueError, match="holds no cache"):  # the drop-in's own load_state, as upstream's is called
+        state = chat.llm.save_state()
+        state.llama_state, state.llama_state_size = b"", 0
+        chat.llm.load_state(state)
+
+
+def test_a_chat_of_another_model_of_the_same_shape_and_size_is_refused(tmp_path):
+    """Two random fixtures of one shape differ only in their weights (same size to the byte): the state of one loaded
+    into the other without a word."""
+    from ahakv_local.fixture import write_fixture
+
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write_fixture(a, FixtureSpec(seed=1))
+    write_fixture(b, FixtureSpec(seed=2))
+    assert a.stat().st_size == b.stat().st_size
+    first = session(a)
+    talk(first, "hello")
+    first.save(tmp_path / "a.chat")
+    first.llm.close()
+    other = session(b)
+    try:
+        with pytest.raises(AhakvError, match=r"saved with another model \(a.gguf\), not b.gguf"):
+            other.load(tmp_path / "a.chat")
+    finally:
+        other.llm.close()
+    a.rename(tmp_path / "renamed.gguf")  # the same weights under another name load
+    renamed = session(tmp_path / "renamed.gguf")
+    try:
+        assert renamed.load(tmp_path / "a.chat").startswith("loaded")
+    finally:
+        renamed.llm.close()
+
+
+def test_a_chat_saved_at_a_smaller_budget_is_loaded_into_this_budget(tmp_path):
+    """Adaptive layouts load a state saved in smaller caches (a chat saved at 96 cells into one of 192): the caches
+    then kept the smaller sizes for good (`cache 228/256 cells` under "budget: 512"), and /budget 192 was refused as
+    more than the caches held. They grow back to this budget's even split before the next decode; a chat saved at
+    this budget loads into the caches as they are."""
+    path = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
+    for budget in (96, 192):
+        s = session(path, budget=budget)
+        talk(s, "please tell me about the weather " * 5)
+        s.save(tmp_path / f"{budget}.chat")
+        s.llm.close()
+    s = session(path, budget=192)
+    try:
+        kv, e = s.llm.kv_controller, s.llm.kv_engine
+        fresh = e.cache_sizes()
+        s.load(tmp_path / "192.chat")
+        assert e.cache_sizes() == fresh and kv._resize_to is None  # this budget's own caches: nothing to move
+        s.load(tmp_path / "96.chat")
+        small = e.cache_sizes()
+        assert sum(small) < sum(fresh)  # loaded in the sizes it was saved in
+        # the conversation goes on where it was (a turn of the fixture, which has no chat template, re-renders the
+        # transcript otherwise and starts over: a new sequence is laid out anew anyway)
+        s.llm.eval(s.llm.tokenize(b" and tomorrow?", add_bos=False))
+        assert e.cache_sizes() == fresh
+        for g in kv.groups:  # the loaded positions moved with the caches
+            np.testing.assert_array_equal(g.live, g.read_live(e))
+        assert s.set_budget("192").startswith("budget: 192")
+    finally:
+        s.llm.close()

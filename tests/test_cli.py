@@ -17,12 +17,15 @@ from ahakv_local.budget import QUERY_TOKENS, guide_room
 from ahakv_local.cli_eval import offloads_by_default
 
 
-def ahakv(*args: str, env: dict | None = None, stdin: str | bytes | None = None) -> subprocess.CompletedProcess:
+def ahakv(
+    *args: str, env: dict | None = None, stdin: str | bytes | None = None, cwd=None
+) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-m", "ahakv_local", *args],
         capture_output=True,
         timeout=300,
         env=env,
+        cwd=cwd,
         input=stdin.encode() if isinstance(stdin, str) else stdin,
     )
     # decoded as the user's terminal would show it
@@ -615,3 +618,18 @@ def test_a_model_whose_every_layer_slides_runs_in_its_default_layout(license_tex
     assert proc.returncode == 0, proc.stderr
     stats = re.search(r"cache (\d+)/64 cells .* seen (\d+) \| evicted (\d+)", proc.stderr)
     assert stats and int(stats[1]) <= 64 and int(stats[2]) > 300 and int(stats[3]) > 0
+
+
+def test_a_block_is_a_message_and_a_command_is_one_line(fixture_model, tmp_path):
+    """A \"\"\" block whose first line starts with / ran as a command ("unknown command /etc/hosts", the message
+    dropped), and a command continued with \\ saved to a file whose name held a newline."""
+    env = {**os.environ, "AHAKV_CACHE_DIR": str(tmp_path)}
+    stdin = '"""\n/etc/hosts maps names to addresses.\nWhat is it for?\n"""\n/save notes\\\nfor monday.chat\n'
+    proc = ahakv("chat", str(fixture_model), "-n", "3", "-t", "1", "--temp", "0", env=env, stdin=stdin, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "unknown command" not in proc.stderr
+    assert "error: /save takes one line: a line ending in \\ continues a message, not a command" in proc.stderr
+    assert not [p for p in tmp_path.iterdir() if "monday" in p.name]
+    kept = max((tmp_path / "chats").iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    users = [m["content"] for m in json.loads(kept.read_text()) if m["role"] == "user"]
+    assert users == ["/etc/hosts maps names to addresses.\nWhat is it for?"]
