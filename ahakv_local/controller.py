@@ -665,8 +665,8 @@ class KVController:
             g.policy.truncate(n)
             g.best[n:] = 0.0
             g.obs = None
-            if n == 0:
-                g.decided = None
+            if n == 0:  # a new sequence: its evictions count from none (tokens_seen = cells_used + evicted)
+                g.decided, g.evicted = None, 0
         if self.shares is not None and n == 0:  # a new sequence starts from even shares, whatever came before
             self.shares.restart(0)
             self._hold(self.allocation(self.config.budget))

@@ -449,6 +449,7 @@ class Llama(llama_cpp.Llama):
 
     def _create_completion(self, *args, **kwargs):
         self._context_full = False
+        guide = self._kv_guide  # this request's (set by its call; a later call may have set its own since)
         completion = super()._create_completion(*args, **kwargs)
         try:
             for out in completion:
@@ -466,7 +467,10 @@ class Llama(llama_cpp.Llama):
             raise
         finally:
             completion.close()  # now, as ``yield from`` did: a stream closed early stops upstream's generator too
-            self._kv_guide = None  # the request's question guides its own prompt only
+            # the request's question guides its own prompt only; a stream dropped when its variable was given the
+            # next call's ends here, after that call set its question: that one stays (it was read unguided)
+            if self._kv_guide is guide:
+                self._kv_guide = None
 
     def reset(self):
         super().reset()
@@ -515,6 +519,8 @@ class Llama(llama_cpp.Llama):
             self.reset()  # whatever llama.cpp restored is not a consistent cache
             if backup is not None:
                 self.load_state(backup)
+            if self._kv is None:  # llama_cpp.Llama's error (it leaves the sequence half-replaced, this one as it was)
+                raise RuntimeError("Failed to set llama state data")
             raise ValueError("llama.cpp refused this state (saved with another model or settings)")
         if self._kv is not None:
             self._kv_engine.n_past = self.n_tokens

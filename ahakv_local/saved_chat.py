@@ -147,7 +147,7 @@ def load_chat(
         llm.load_state(state)
     except AhakvError:
         raise
-    except ValueError as exc:  # llama-cpp-python's
+    except (ValueError, RuntimeError) as exc:  # llama-cpp-python's (RuntimeError: llama.cpp refused it, no budget)
         raise AhakvError(f"{path}: {exc}") from None
     return messages, system
 

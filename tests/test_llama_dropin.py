@@ -427,3 +427,66 @@ tryit("after with", lambda: l2("abc", max_tokens=3))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("this Llama was closed: create a new one")
     assert proc.stderr == ""
+
+
+def test_without_a_budget_a_state_llama_cpp_refuses_is_upstreams_runtime_error(gemma_model):
+    """README: without kv_budget the drop-in is llama_cpp.Llama, error texts included: upstream raises
+    RuntimeError("Failed to set llama state data") for a state of other caches (q8_0 K under flash attention into
+    f16 ones); the drop-in raised its own ValueError. The sequence is kept as it was (upstream half-replaces it)."""
+    import llama_cpp
+
+    kw = dict(n_ctx=256, n_batch=64, verbose=False)
+    for cls in (llama_cpp.Llama, Llama):
+        quantized = cls(str(gemma_model), type_k=llama_cpp.GGML_TYPE_Q8_0, flash_attn=True, **kw)
+        plain = cls(str(gemma_model), **kw)
+        try:
+            quantized("Hi there", max_tokens=2, temperature=0)
+            plain("Hello", max_tokens=2, temperature=0)
+            before = plain.n_tokens
+            with pytest.raises(RuntimeError, match="^Failed to set llama state data$"):
+                plain.load_state(quantized.save_state())
+            if cls is Llama:
+                assert plain.n_tokens == before
+        finally:
+            quantized.close()
+            plain.close()
+
+
+def test_a_stream_dropped_by_the_next_call_leaves_that_call_its_question(gemma_model, license_text):
+    """`g = llm(..., stream=True)` again while the old stream was open: the old generator was closed when `g` was
+    rebound, after the new call had set its question, and its cleanup cleared that question: the new long prompt
+    was read unguided (0 guide tokens) and answered otherwise than a fresh Llama."""
+    kw = dict(n_ctx=512, kv_budget=128, n_batch=64, verbose=False)
+    prompt = license_text[:1500]  # ~340 tokens, past the budget: read guided by its last paragraph
+
+    def run(stream) -> str:
+        return "".join(c["choices"][0]["text"] for c in stream)
+
+    with Llama(str(gemma_model), **kw) as fresh:
+        expected = run(fresh(prompt, max_tokens=12, temperature=0, stream=True))
+        guided = fresh.kv_stats().guide_tokens
+    assert guided > 0
+    with Llama(str(gemma_model), **kw) as llm:
+        g = llm("Once upon a time", max_tokens=12, temperature=0, stream=True)
+        next(g)
+        before = llm.kv_stats().guide_tokens
+        g = llm(prompt, max_tokens=12, temperature=0, stream=True)  # the old stream is dropped here
+        assert run(g) == expected
+        assert llm.kv_stats().guide_tokens - before == guided
+
+
+def test_evictions_count_from_none_for_each_new_sequence(gemma_model, license_text):
+    """kv_stats().evicted kept the evictions of sequences a reset or a fresh read had forgotten (230 after reset(),
+    460 after the same request again), where tokens_seen and cells_used describe the sequence now."""
+    prompt = license_text[:1500]
+    with Llama(str(gemma_model), n_ctx=512, kv_budget=128, n_batch=64, verbose=False) as llm:
+        llm(prompt, max_tokens=4, temperature=0)
+        first = llm.kv_stats()
+        assert first.evicted > 0 and first.tokens_seen == first.cells_used + first.evicted
+        llm.reset()
+        assert llm.kv_stats().evicted == 0
+        llm(prompt, max_tokens=4, temperature=0)
+        assert llm.kv_stats().evicted == first.evicted
+        llm("Hello world", max_tokens=2, temperature=0)  # a new prompt: read from the start
+        s = llm.kv_stats()
+        assert s.evicted == 0 and s.tokens_seen == s.cells_used
