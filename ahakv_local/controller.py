@@ -162,7 +162,7 @@ class KVController:
                 raise AhakvError("layer budgets 'adaptive' resize the caches: not possible on a shared context")
             self.shares = LayerShares(engine.layer_sliding)
         config.budget = self.fitted(config.budget)
-        self.check_budget(config.budget, policy)
+        self._check_budget(config.budget, policy)  # with the period the session chose for it
         self.groups: list[LayerGroup] = make_groups(engine, policy, self.allocation(config.budget))
         self.stats = ControllerStats(tokens_seen=engine.n_past)
         self._count()
@@ -498,8 +498,16 @@ class KVController:
     def check_budget(self, budget: Budget, policy: Policy | None = None) -> None:
         """Every check a budget must pass before it is used with ``policy`` (default: the current one):
         the layout on the layer groups, the floor, the allocated cells, and an error model for 'auto'.
-        Raises AhakvError; changes nothing."""
-        policy = policy or self.policy
+        Raises AhakvError; changes nothing. Checked with the eviction period the budget takes (``_period_for``): a
+        server request's 64 cells were refused for the server's period of 32, or for whatever its slot last ran."""
+        every = self.config.evict_every
+        self.config.evict_every = self._period_for(budget)
+        try:
+            self._check_budget(budget, policy or self.policy)
+        finally:
+            self.config.evict_every = every
+
+    def _check_budget(self, budget: Budget, policy: Policy) -> None:
         if policy.evicts and not budget.evicts:
             raise AhakvError(f"policy {policy.name} evicts: give it a budget (the full cache keeps everything)")
         if not policy.evicts and (cells := self._full_cache_cells()) < self.reach:
@@ -591,13 +599,8 @@ class KVController:
         """``budget``, ``fitted`` and checked (with ``policy``, default the current one), as the configured budget and
         every group's eviction target; nothing is evicted."""
         budget = self.fitted(budget)
-        every = self.config.evict_every
+        self.check_budget(budget, policy)
         self.config.evict_every = self._period_for(budget)
-        try:
-            self.check_budget(budget, policy)
-        except AhakvError:
-            self.config.evict_every = every
-            raise
         self.config.budget = budget
         for g, held in zip(self.groups, self.allocation(budget).groups, strict=True):
             g.budget = held

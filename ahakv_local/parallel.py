@@ -216,7 +216,8 @@ class SequencePool:
     # -- figures -------------------------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Per sequence: active or not, cells used, budget target, tokens seen, evicted, policy, requests."""
+        """Per sequence: active or not, cells used (none on an idle slot, ``_drop``), budget target, and its running or
+        last request's tokens seen, evictions, policy and guide tokens; requests served."""
         seqs = []
         for s, ctl in enumerate(self.controllers):
             st = ctl.stats
@@ -224,7 +225,7 @@ class SequencePool:
                 {
                     "seq": s,
                     "active": s in self.active,
-                    "cells_used": st.cells_used,
+                    "cells_used": st.cells_used if s in self.active else 0,  # a finished request's are freed
                     "budget": int(ctl.groups[0].budget.value),
                     "tokens_seen": st.tokens_seen,
                     "evicted": st.evicted,

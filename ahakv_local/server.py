@@ -497,6 +497,11 @@ class ParallelRunner:
         job = Job(self.shutdown)
         job.req, job.kind, job.payload, job.since = req, kind, payload, time.monotonic()
         with self.cond:
+            # clients that left count for nothing: the scheduler prunes them between steps, but not while it reads a
+            # prompt (seconds), when 32 who had gone made every new request a 503
+            for gone in [j for j in self.waiting if j.stopped()]:
+                self.waiting.remove(gone)
+                gone.post("error", (503, self._busy_message(gone)))
             if len(self.waiting) >= self.max_waiting:
                 return error(503, "the server is busy: too many requests are waiting")
             self.waiting.append(job)
@@ -572,9 +577,10 @@ class ParallelRunner:
             job.post("error", (500, f"internal error: {type(exc).__name__}: {exc}"))
 
     def health(self) -> Response:
-        if self.pool.free() or not self.waiting:
-            return JSONResponse({"status": "ok", "free_slots": len(self.pool.free())})
-        return error(503, "the server is busy: every sequence slot is taken")
+        """200 while a request would get a slot now, as the one-at-a-time server's while the model is free."""
+        if free := len(self.pool.free()):
+            return JSONResponse({"status": "ok", "free_slots": free})
+        return error(503, f"the server is busy: every sequence slot is taken ({len(self.waiting)} waiting)")
 
     def kv_stats(self) -> dict:
         """Read from the controllers' Python figures (a request's slot is free before its answer is posted)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -172,7 +173,8 @@ def test_a_finished_request_frees_its_cells_at_once(fixture_model, license_text)
         figures = pool.stats()["sequences"][0]
         # the request's own figures: its prompt and every generated token but the last (sampled, never decoded)
         assert not figures["active"] and figures["tokens_seen"] == 90 + 3 - 1
-        assert figures["evicted"] == figures["tokens_seen"] - figures["cells_used"] > 0
+        # an idle slot holds no cell, as /v1/kv/stats says (it said the 34 cells of the request that had ended)
+        assert figures["cells_used"] == 0 and 0 < figures["tokens_seen"] - figures["evicted"] <= figures["budget"]
 
 
 def test_a_request_keeping_every_token_is_refused(fixture_model):
@@ -185,6 +187,24 @@ def test_a_request_keeping_every_token_is_refused(fixture_model):
         with pytest.raises(AhakvError, match="kv_policy full keeps every token: with several sequences each holds"):
             pool.start(gen)
         assert not pool.active
+
+
+def test_a_requests_budget_is_checked_with_its_own_eviction_period(fixture_model):
+    """A request's kv_budget was checked with the period slot 0 last ran (the server's 19 for 96 cells, or the 2 of
+    an earlier request of 30): 30 cells were refused or served by what ran before, where `generate --budget 30` runs
+    (its period 2). Checked with the period the budget takes, whatever ran before."""
+    spec = SessionSpec.bounded("h2o", 96, n_recent=16, reading="plain")
+    with Engine(fixture_model, EngineConfig(n_ctx=512, n_batch=CHUNK, n_ubatch=CHUNK, n_seq=2)) as e:
+        pool = SequencePool(e, spec)
+        assert pool.controllers[0].config.evict_every == 19  # the server's own, for 96 cells
+        for _ in range(2):  # before and after a request of its own budget ran in slot 0
+            assert pool.check(Budget.parse("30"), None)[0].value == 30
+            with pytest.raises(AhakvError, match=r"smaller than sinks \+ recent \+ newest \(4 \+ 16 \+ 1\)"):
+                pool.check(Budget.parse("20"), None)
+            words = e.tokenize("a few words " * 20)
+            pool.start(Generation(words, Sampling(max_tokens=2), lambda t, f: None, budget=Budget.parse("30")))
+            while pool.active:
+                pool.step()
 
 
 def test_a_request_stopped_while_its_prompt_is_read_ends_before_the_next_chunk(fixture_model, license_text):
@@ -274,8 +294,8 @@ def test_eight_concurrent_requests_each_in_its_own_sequence(fixture_model, licen
         assert status == 200 and stats["parallel"] == 4 and len(stats["sequences"]) == 4
         assert sum(s["requests"] for s in stats["sequences"]) == 16
         for s in stats["sequences"]:
-            assert not s["active"] and s["cells_used"] <= s["budget"] <= 96
-            assert s["evicted"] == s["tokens_seen"] - s["cells_used"] > 0  # each read a prompt past its budget
+            assert not s["active"] and s["cells_used"] == 0 and s["budget"] <= 96  # idle: its cells freed
+            assert 0 < s["tokens_seen"] - s["evicted"] <= s["budget"] < s["tokens_seen"]  # each read past its budget
 
         # a budget past the slot's cells, and an unknown policy: one-line 400s, the server goes on
         status, body = call(base, "/v1/chat/completions", {**chat_body(0, license_text), "kv_budget": 500})
@@ -393,3 +413,57 @@ def test_gemma_sequences_hold_their_budgets_and_agree_where_the_choice_is_clear(
     assert clear >= 1  # the check above ran
     print(f"gemma: first-token drift {drift:.3f}, {clear}/8 clear first choices, "
           f"{sum(a == b for a, b in zip(alone, both, strict=True))}/8 whole answers equal")  # fmt: skip
+
+
+class BusyPool:
+    """Every slot taken, and the scheduler held in a step as it is while it reads a long prompt (seconds)."""
+
+    def __init__(self, free: int = 0) -> None:
+        self.active = {0: None}
+        self.slots = list(range(1, 1 + free))
+        self.release = threading.Event()
+
+    def free(self) -> list[int]:
+        return self.slots
+
+    def step(self) -> None:
+        self.release.wait(10)
+
+
+def test_clients_that_left_free_their_places_in_the_queue_and_health_says_busy():
+    """Clients that left while the scheduler read a prompt still counted as waiting: after 32 had gone, every new
+    request was a 503 "too many requests are waiting" for as long as the prompt took. And /health said 200 "ok" with
+    every slot taken ("free_slots": 0), where README says 503 while a request would wait."""
+    import asyncio
+
+    from ahakv_local.server import Job, ParallelRunner
+
+    class Client:  # still connected
+        async def is_disconnected(self) -> bool:
+            return False
+
+    async def main() -> None:
+        pool = BusyPool()
+        runner = ParallelRunner(pool, "m", 16, busy_timeout=600, max_waiting=2, default_query=False)
+        try:
+            gone = [Job(runner.shutdown) for _ in range(2)]
+            for job in gone:
+                job.since = time.monotonic()
+            with runner.cond:
+                runner.waiting.extend(gone)
+            for job in gone:
+                job.cancelled.set()  # their clients left while the scheduler was held
+            task = asyncio.ensure_future(runner.submit(Client(), None, "completion", None))
+            await asyncio.sleep(0.5)
+            assert not task.done(), task.result().body  # it waits for a slot: no 503
+            assert len(runner.waiting) == 1 and runner.waiting[0] not in gone
+            busy = runner.health()
+            assert busy.status_code == 503 and b"every sequence slot is taken (1 waiting)" in busy.body
+            task.cancel()
+        finally:
+            runner.shutdown.set()
+            pool.release.set()
+        pool.slots = [1]
+        assert runner.health().status_code == 200 and json.loads(runner.health().body)["free_slots"] == 1
+
+    asyncio.run(main())
