@@ -14,10 +14,16 @@ from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.evaluation import FULL, LogProbStore, _open, evaluate, log_softmax
 from ahakv_local.session import SessionSpec
 
+from numerics import FORWARD_RTOL
+
+
+def one_pass_logits(model, tokens, **kw) -> np.ndarray:
+    with Engine(model, EngineConfig(n_ctx=512, n_batch=512, n_ubatch=512, **kw)) as e:
+        return e.decode(tokens, all_logits=True)  # one prompt decode, every row
+
 
 def one_pass_ppl(model, tokens, **kw) -> float:
-    with Engine(model, EngineConfig(n_ctx=512, n_batch=512, n_ubatch=512, **kw)) as e:
-        logits = e.decode(tokens, all_logits=True)  # one prompt decode, every row
+    logits = one_pass_logits(model, tokens, **kw)
     return float(np.exp(np.mean([-log_softmax(r)[t] for r, t in zip(logits[:-1], tokens[1:], strict=True)])))
 
 
@@ -25,16 +31,21 @@ def test_streaming_full_cache_equals_one_pass_perplexity(fixture_model, gemma_mo
     with Engine(fixture_model, EngineConfig(n_ctx=256)) as e:
         tokens = e.tokenize(license_text)[:300]
     streamed = evaluate(fixture_model, tokens, [], prefix=64)["full"].ppl
-    assert abs(streamed / one_pass_ppl(fixture_model, tokens) - 1) < 0.005
+    # F32 fixture: each path's logits are within FORWARD_RTOL of the largest from exact, so two paths within twice
+    # that; a token's log-probability moves by at most twice a logit's change (its logit and the log-sum-exp)
+    largest = float(np.abs(one_pass_logits(fixture_model, tokens)).max())
+    assert abs(np.log(streamed / one_pass_ppl(fixture_model, tokens))) <= 4 * FORWARD_RTOL * largest
 
-    # Gemma 3 Q4_K_M: llama.cpp's single-token and batched matmul kernels differ (logits by up to 10%
-    # relative on this model, measured), which moves the perplexity of the stepped part by ~1%
+    # Gemma 3 Q4_K_M: llama.cpp's single-token and batched matmul kernels differ (their own activation quantization
+    # and block order): no rounding unit bounds it. Measured with benchmarks/decode_paths.py: +0.84% on an AVX-512
+    # Xeon (logits by up to 10% relative), +0.07% on an AVX2-only EPYC; 1.5% covers both with room
     with Engine(gemma_model, EngineConfig(n_ctx=256)) as e:
         tokens = e.tokenize(license_text)[:300]
     one_pass = one_pass_ppl(gemma_model, tokens)
     streamed = evaluate(gemma_model, tokens, [], prefix=64)["full"].ppl
     assert abs(streamed / one_pass - 1) < 0.015
-    # in steps of 16 tokens the batched kernels run throughout, and the 0.5% holds on the real model too
+    # in steps of 16 tokens the batched kernels run throughout (a batch of 16 against one of 300: the same kernels,
+    # other block counts): 0.07% measured on the EPYC; 0.5%
     stepped = evaluate(gemma_model, tokens, [], prefix=64, step=16)["full"].ppl
     assert abs(stepped / one_pass - 1) < 0.005
 
