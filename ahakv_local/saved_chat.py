@@ -27,6 +27,7 @@ from . import upstream
 from .budget import LAYER_BUDGETS, Budget, as_option
 from .errors import AhakvError
 from .info import KV_CACHE_TYPES
+from .policies import POLICIES
 
 FORMAT = "ahakv-local chat"
 VERSION = 1
@@ -91,6 +92,8 @@ def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None
         # the budget those caches were laid out for, as --budget takes it (chat's /budget 8MiB re-sizes them)
         "budget": as_option(llm.kv_controller.config.budget) if llm.kv_controller is not None else None,
         "layer_budgets": llm.kv_controller.config.layer_budgets if llm.kv_controller is not None else None,
+        # the policy sizes them too: one that reads with a question keeps its room in the caches
+        "policy": llm.kv_controller.policy.name if llm.kv_controller is not None else "full",
         "kv_cache": kv_cache_kind(llm),
     }
     tmp = None
@@ -138,6 +141,9 @@ def load_chat(
         stored = kind.get("type_k") if kind.get("type_k") in KV_CACHE_TYPES else "other"
         how = "flash attention on" if kind.get("flash_attn") else "flash attention off"
         raise AhakvError(f"{path} was saved in KV caches of {stored}, {how}{_how_to_load(meta, llm)}")
+    if (cells is None) != (kv is None):  # a budget's caches into the full cache's, or back: llama.cpp would refuse it
+        how = "without a budget (the full cache)" if cells is None else "in caches laid out for a budget"
+        raise AhakvError(f"{path} was saved {how}{_how_to_load(meta, llm)}")
     if cells is not None and kv is not None and not kv.takes_sizes(cells):
         raise AhakvError(
             f"{path} was saved in KV caches of other sizes ({min(cells)}-{max(cells)} cells){_how_to_load(meta, llm)}"
@@ -161,20 +167,29 @@ def _how_to_load(meta: dict, llm) -> str:
         saved = Budget.parse(meta.get("budget"))
     except (AhakvError, TypeError, ValueError):
         saved = None
+    policy = meta.get("policy")
     options = []
-    if saved is not None and kv is not None and as_option(saved) != as_option(kv.config.budget):
+    if saved is not None and (kv is None or as_option(saved) != as_option(kv.config.budget)):
         options.append(f"--budget {as_option(saved)}")
     layout = meta.get("layer_budgets")
     if layout in LAYER_BUDGETS and kv is not None and layout != kv.config.layer_budgets:
         options.append(f"--layer-budgets {layout}")
+    if policy in POLICIES and policy != (kv.policy.name if kv is not None else "full"):
+        options.append(f"--policy {policy}")
     kind = meta.get("kv_cache") if isinstance(meta.get("kv_cache"), dict) else {}
-    if kind.get("type_k") in KV_CACHE_TYPES and kind.get("type_k") != here["type_k"]:
-        options.append(f"--kv-type {kind['type_k']}")
+    stored = kind.get("type_k") if kind.get("type_k") in KV_CACHE_TYPES else None
+    if stored is not None and stored != here["type_k"]:
+        options.append(f"--kv-type {stored}")
     if not options:
         return ""  # (laid out as here, and still not these caches: nothing to suggest)
-    opened = f"open the chat with {' '.join(options)}"
+    in_bytes = saved is not None and saved.mode == "bytes"
+    if in_bytes and stored is not None and f"--kv-type {stored}" not in options:
+        # a byte budget opened afresh picks its own K/V type (--kv-type auto), maybe not the saved one: name it
+        opened = f"open the chat with {' '.join(options)} --kv-type {stored}"
+    else:
+        opened = f"open the chat with {' '.join(options)}"
     # chat's /budget re-sizes the caches for bytes only, in their K/V type
-    if saved is not None and saved.mode == "bytes" and options == [f"--budget {as_option(saved)}"]:
+    if in_bytes and options == [f"--budget {as_option(saved)}"]:
         return f": /budget {as_option(saved)} first, or {opened}"
     return f": {opened}"
 

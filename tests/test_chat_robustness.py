@@ -654,3 +654,44 @@ def test_a_chat_saved_at_a_smaller_budget_is_loaded_into_this_budget(tmp_path):
         assert s.set_budget("192").startswith("budget: 192")
     finally:
         s.llm.close()
+
+
+def test_a_refused_load_names_the_options_that_load_it(fixture_model, tmp_path):
+    """The hint of a refused /load named no option where the policy made the caches' sizes (AhaKV keeps a question's
+    room, H2O none), none between a budget's caches and the full cache (llama.cpp's log, then "refused"), and for a
+    byte budget the options that, followed, were refused again (--budget 8MiB opened in another K/V type)."""
+
+    def chat(**kw) -> ChatSession:
+        llm = Llama(str(fixture_model), kv_recent=8, n_batch=32, verbose=False, **kw)
+        return ChatSession(llm, None, max_tokens=4, temperature=0.0)
+
+    made = {"ahakv": {"kv_budget": 64}, "full": {"kv_policy": "full", "n_ctx": 512}, "bytes": {"kv_budget": "64KiB"}}
+    for name, kw in made.items():
+        s = chat(**kw)
+        talk(s, "hello there")
+        command(s, "/save", str(tmp_path / f"{name}.chat"))
+        s.llm.close()
+    expected = {  # (the chat loading, the file): the hint, then the chat those options open loads it
+        ("h2o", "ahakv"): ("in KV caches of other sizes (129-129 cells): open the chat with --policy ahakv", "ahakv"),
+        ("h2o", "full"): ("without a budget (the full cache): open the chat with --policy full", "full"),
+        ("full", "ahakv"): ("in caches laid out for a budget: open the chat with --budget 64 --policy ahakv", "ahakv"),
+        ("ahakv", "bytes"): (
+            "in KV caches of other sizes (256-256 cells): /budget 64KiB first, or open the chat with --budget 64KiB "
+            "--kv-type f16",
+            "bytes",
+        ),
+    }
+    opened = {"h2o": {"kv_budget": 64, "kv_policy": "h2o"}, **made}
+    for (here, name), (hint, loads) in expected.items():
+        s = chat(**opened[here])
+        try:
+            with pytest.raises(AhakvError) as refused:
+                command(s, "/load", str(tmp_path / f"{name}.chat"))
+            assert str(refused.value) == f"{tmp_path / name}.chat was saved {hint}"
+        finally:
+            s.llm.close()
+        s = chat(**made[loads])
+        try:
+            assert command(s, "/load", str(tmp_path / f"{name}.chat")).startswith("loaded")
+        finally:
+            s.llm.close()
