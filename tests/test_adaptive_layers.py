@@ -286,6 +286,9 @@ def test_every_layer_holds_its_adaptive_budget(six_layers, license_text, policy,
     got = run_checked(six_layers, license_text, spec, prompt=200, steps=50)
     assert got["kv_bytes"] <= Budget.parse(budget).value
     assert {f"layer {il}" for il in range(6)} <= set(got)
+    # the shares moved, for every policy (the layers' fill is read from the model's softmax, whatever the policy taps:
+    # with it tapped only for policies that read attention, streaming and random stayed even, uniform in all but name)
+    assert got["decisions"] >= 5 and not np.allclose(got["weights"], 1.0), got["weights"]
 
 
 def test_an_adaptive_session_resizes_as_it_reads(six_layers, license_text, monkeypatch):

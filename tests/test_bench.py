@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,8 +31,10 @@ def test_bench_speed_command_writes_every_output(fixture_model, tmp_path):
         assert [r["label"] for r in speed] == ["plain", "trimmed", "h2o", "ahakv"]
         assert speed[0]["ratio"] == 1.0 and all(r["decode_tps"] > 0 and r["prompt_tps"] > 0 for r in speed)
         assert all(len(r["decode_runs"]) == 2 for r in speed)
-        # the same number of live cells on both sides: the budget plus half the eviction period
-        assert all(abs(r["live_cells"] - (64 + 1.5)) <= 4 for r in speed)
+        # the same number of live cells on both sides: the plain prompt is sized to the budgeted runs' mean (budget -
+        # (period - 1) / 2), rounded to a whole token: within a cell of each other (it was 65.5 +- 4 each, 8 apart)
+        cells = [r["live_cells"] for r in speed]
+        assert max(cells) - min(cells) <= 1 and max(cells) <= 64, cells
 
     long = [r for r in rows if r["table"] == "long"]
     assert [(r["label"], r["context"]) for r in long] == [
@@ -78,6 +81,20 @@ def test_report_script_runs_every_command_and_writes_results(tmp_path):
     for section in sections:
         assert section in text
     assert "ahakv -error_model" in text and "| long run at 256 tokens" in text
+    # the Targets table's verdicts follow from the figures on their rows (a verdict that always said "met" passed)
+    targets = text.split("## Targets")[1].split("\n## ")[0]
+    rules = [  # (row, the figure's bound, whether it must be below it); a figure within rounding of it is not judged
+        (r"AhaKV ppl at 8x <= 1\.08x full \| [\d.]+ / [\d.]+ = ([\d.]+)x", 1.08, True),
+        (r"AhaKV decode >= 0\.95x plain at equal live cells \(\w+\) \| ([\d.]+)x", 0.95, False),
+    ]
+    checked = 0
+    for row in targets.splitlines():
+        for pattern, bound, below in rules:
+            if (m := re.search(pattern + r" .*\| ([^|]+) \|$", row)) and abs(float(m[1]) - bound) > 5e-4:
+                met = float(m[1]) <= bound if below else float(m[1]) >= bound
+                assert m[2] == ("met" if met else "**missed**"), row
+                checked += 1
+    assert checked >= 3, targets
     assert sorted(p.name for p in (tmp_path / "fig").iterdir()) == [
         "long_run.png",
         "long_run_full.png",
@@ -138,7 +155,8 @@ def test_bench_speed_runs_each_policy_in_each_layer_layout(tmp_path):
     for table in ("generate", "engine"):
         rows = {r["label"]: r for r in data["results"] if r["table"] == table}
         assert list(rows) == ["plain", "trimmed", "ahakv", "ahakv natural", "ahakv uniform"]
-        assert all(abs(r["live_cells"] - (64 + 1.5)) <= 4 and r["decode_tps"] > 0 for r in rows.values())
+        cells = [r["live_cells"] for r in rows.values()]  # (as in test_bench_speed_command_writes_every_output)
+        assert max(cells) - min(cells) <= 1 and max(cells) <= 64 and all(r["decode_tps"] > 0 for r in rows.values())
         assert rows["ahakv uniform"]["kv_bytes"] == rows["ahakv natural"]["kv_bytes"] > 0
         assert rows["ahakv natural"]["kv_bytes"] < rows["ahakv"]["kv_bytes"]  # the sliding layers kept to their window
     bad = subprocess.run(

@@ -155,8 +155,9 @@ def test_per_layer_layouts_on_gemma3_270m(text):
             if mode == "uniform" or mean.mode != "cells":
                 values = [b.value for b in held]
                 weights = [1.0] * len(held) if mode == "uniform" else pyramid_weights(len(held))
-                assert values == pytest.approx([min(mean.value * w, 1.0) if mean.mode == "ratio" else
-                                                int(mean.value * w) for w in weights], abs=1)  # fmt: skip
+                ratio = mean.mode == "ratio"  # a share in [0, 1] to float rounding, or whole cells to one
+                assert values == pytest.approx([min(mean.value * w, 1.0) if ratio else int(mean.value * w)
+                                                for w in weights], abs=1e-12 if ratio else 1)  # fmt: skip
                 continue
             values = [int(b.value) for b in held]
             assert values == sorted(values, reverse=True), f"{mode}: holdings must fall with depth"
@@ -257,7 +258,9 @@ def run_checked(path, text, spec: SessionSpec, prompt: int, steps: int, longest:
         assert [g.evicted for g in counted] == by_group
         assert c.stats.evicted == round(sum(by_group) / len(counted))
         assert c.stats.cells_used == round(sum(g.live.size for g in counted) / len(counted))
-        return {g.name: (g.live.copy(), g.evicted) for g in c.groups} | {"every": every, "kv_bytes": e.kv_bytes()}
+        shares = {"decisions": c.shares.decisions, "weights": c.shares.weights.copy()} if c.shares is not None else {}
+        groups = {g.name: (g.live.copy(), g.evicted) for g in c.groups}
+        return groups | {"every": every, "kv_bytes": e.kv_bytes()} | shares
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from ahakv_local.engine import Engine, EngineConfig
-from ahakv_local.needle import NEEDLE, answer_key, build_prompt, run_needle
+from ahakv_local.needle import INTRO, NEEDLE, QUESTION, answer_key, build_prompt, run_needle
 from ahakv_local.session import SessionSpec
 
 
@@ -19,13 +19,15 @@ def test_prompt_has_the_length_and_the_key_at_its_depth(gemma_model, license_tex
         filler = e.tokenize(license_text, add_bos=False)
         prompt = build_prompt(e, filler, 700, depth, "48213")
         needle = e.tokenize(NEEDLE.format(key="48213"), add_bos=False)
+        head = len(e.tokenize(INTRO, add_bos=True))
+        tail = len(e.tokenize(QUESTION, add_bos=False))
         text = e.detokenize(prompt)
     assert len(prompt) == 700
     starts = [i for i in range(len(prompt)) if prompt[i : i + len(needle)] == needle]
     assert len(starts) == 1
     assert text.count("48213") == 2 and text.rstrip().endswith("The pass key is")
-    # the needle sits after `depth` of the filler; the intro and the question are < 40 tokens together
-    assert starts[0] == pytest.approx(depth * (len(prompt) - len(needle)), abs=40)
+    # the needle sits after the intro and `depth` of the filler (rounded to a token): exactly there
+    assert starts[0] == head + round(depth * (len(prompt) - head - len(needle) - tail))
     assert text.startswith("There is an important") and license_text[:200].split()[0] in text
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from ahakv_local import Llama
 from ahakv_local.budget import QUERY_TOKENS, Budget, guide_room
-from ahakv_local.controller import KVController, Reconstruct
+from ahakv_local.controller import KVController
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.errors import AhakvError
 from ahakv_local.fixture import FixtureSpec
@@ -165,10 +165,10 @@ def test_a_reconstruction_reading_keeps_spans_whole(fixture_model, license_text)
 def test_a_policy_that_cannot_be_guided_reads_plainly(fixture_model, license_text):
     prompt = tokens_of(fixture_model, license_text, 300)
     for policy in ("h2o", "streaming"):
-        with open_session(fixture_model, SessionSpec.bounded(policy, 96, reading="query"), 300, 64) as s:
-            s.controller.read_query = lambda q: pytest.fail("an unguided policy read the question")
-            s.read(prompt, [1, 2, 3])
-        assert Reconstruct  # the reconstruct mode is refused the same way (prefill checks reads_with_query)
+        for reading in ("query", "reconstruct"):  # neither a question nor a reconstruction pass guides it
+            with open_session(fixture_model, SessionSpec.bounded(policy, 96, reading=reading), 300, 64) as s:
+                s.controller.read_query = lambda q: pytest.fail(f"an unguided policy read with {q}")
+                s.read(prompt, [1, 2, 3])
 
 
 def kernels_of(policy, pieces: list[str]) -> list[int]:
