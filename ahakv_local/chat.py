@@ -262,15 +262,19 @@ def setup_history() -> None:
     except ImportError:  # no readline (Windows): plain input
         return
     history = cache_dir() / "chat_history"
-    history.parent.mkdir(parents=True, exist_ok=True)
     try:
+        history.parent.mkdir(parents=True, exist_ok=True)
         readline.read_history_file(history)
-    except OSError:
+    except OSError:  # none yet, or a cache folder that cannot hold one: the chat goes on without it
         pass
     readline.set_history_length(1000)
     import atexit
 
-    atexit.register(lambda: readline.write_history_file(history))
+    def keep() -> None:
+        with contextlib.suppress(OSError):
+            readline.write_history_file(history)
+
+    atexit.register(keep)
 
 
 def run_chat(session: ChatSession) -> None:

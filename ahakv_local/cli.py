@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 import click
+from click.core import ParameterSource
 
 from . import __version__
 from .budget import DEFAULT_LAYER_BUDGETS, KV_TYPE_AUTO, LAYER_BUDGETS, READINGS
@@ -81,7 +82,7 @@ def rpc_server(host: str, port: int, threads: int | None) -> None:
 
 
 @main.command("model-path")
-@click.argument("model", required=False)
+@click.argument("model", required=False, envvar="AHAKV_MODEL")
 def model_path(model: str | None) -> None:
     """Print the GGUF path of MODEL (default: the embedded Gemma 3 270M; 'fixture': the test model)."""
     from .models import resolve_model
@@ -132,7 +133,7 @@ def engine_options(f):
             default=None,
             envvar="AHAKV_BUDGET",
             help="KV budget: cells of a full-attention layer (512), a ratio of the tokens seen (0.25 or 25%), "
-            "auto, or allocated KV bytes over every layer (16MiB).",
+            "auto, allocated KV bytes over every layer (16MiB), or none (over AHAKV_BUDGET: the full cache).",
         ),
         click.option(
             "--layer-budgets",
@@ -224,6 +225,17 @@ def check_model(path, batch_size: int | None) -> None:
         raise AhakvError(f"--batch-size {batch_size} is more than the model's trained context ({trained} tokens)")
 
 
+def asked_budget(budget: str | None, policy: str) -> str | None:
+    """--budget as the command runs with it: ``none`` is no budget, and so is one AHAKV_BUDGET set where the command
+    line asks for --policy full (which keeps every token): an environment's budget had no way out but unsetting it."""
+    if budget is not None and budget.strip().lower() == "none":
+        return None
+    ctx = click.get_current_context(silent=True)
+    if policy == "full" and ctx is not None and ctx.get_parameter_source("budget") is ParameterSource.ENVIRONMENT:
+        return None
+    return budget
+
+
 def load_llama(
     model, ctx_size, budget, policy, sinks, recent, error_tol, evict_every, observe_steps, threads, n_gpu_layers,
     batch_size, reading="query", layer_budgets=None, rpc=None, **extra,
@@ -235,6 +247,7 @@ def load_llama(
 
     # the user's own mistakes first, before the model is assembled or read
     make_policy(policy)  # a clear error for an unknown policy
+    budget = asked_budget(budget, policy)
     if budget is not None:
         Budget.parse(budget)  # a clear error for a malformed budget; the controller checks its size
     evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
@@ -391,6 +404,7 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
     "--budget",
     default="512",
     show_default=True,
+    envvar="AHAKV_BUDGET",
     help="Budget to compare with the full cache: cells of a full-attention layer (512), KV bytes over all layers "
     "(8MiB), a ratio of the tokens seen (25%) or auto, as generate takes it.",
 )
@@ -399,6 +413,7 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
     "--ctx-size",
     type=click.IntRange(min=1),
     default=None,
+    envvar="AHAKV_CTX_SIZE",
     help="Context length to compare at (default: trained).",
 )
 @click.option(
@@ -413,6 +428,7 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
     "--layer-budgets",
     type=click.Choice(LAYER_BUDGETS),
     default=None,
+    envvar="AHAKV_LAYER_BUDGETS",
     help="The layout whose allocation at --budget to state [default: generate's for the model].",
 )
 @kv_type_option
@@ -464,7 +480,7 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type) -> None:
 )
 @click.option(
     "--parallel",
-    type=Positive,
+    type=click.IntRange(1, 256),  # llama.cpp's LLAMA_MAX_SEQ
     default=1,
     show_default=True,
     envvar="AHAKV_PARALLEL",
@@ -497,12 +513,18 @@ def load_pool(
     from .budget import Budget, parse_schedule
     from .session import SessionSpec
 
+    budget = asked_budget(budget, policy)
     if budget is None or Budget.parse(budget).mode != "cells":
         raise AhakvError("--parallel needs --budget in cells: each sequence holds its own budget in one context")
     if layer_budgets not in (None, "shared"):  # its default: the sequences of one context share one pool each
         raise AhakvError("--parallel needs --layer-budgets shared")
     if extra.get("kv_type") not in (None, KV_TYPE_AUTO, "f16"):  # auto: f16 for a budget in cells
         raise AhakvError(f"--parallel keeps K and V in f16: drop --kv-type {extra['kv_type']}")
+    if parallel > (batch := batch_size or BUDGETED_BATCH):  # llama.cpp aborted the process (n_outputs_max)
+        raise AhakvError(
+            f"--parallel {parallel} is more than the batch size {batch}: a step decodes one token of every sequence "
+            f"in one batch (give --batch-size {parallel} or more)"
+        )
     evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
     spec = SessionSpec.bounded(
         policy, budget, n_sink=sinks, n_recent=recent, evict_every=evict_every, observe_steps=observe_steps,

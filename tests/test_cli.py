@@ -633,3 +633,88 @@ def test_a_block_is_a_message_and_a_command_is_one_line(fixture_model, tmp_path)
     kept = max((tmp_path / "chats").iterdir(), key=lambda p: p.stat().st_mtime_ns)
     users = [m["content"] for m in json.loads(kept.read_text()) if m["role"] == "user"]
     assert users == ["/etc/hosts maps names to addresses.\nWhat is it for?"]
+
+
+# -- environment variables: they set the same options, an option overrides them -------------------------------------
+
+
+def test_serve_parallel_past_the_batch_or_llama_cpp_s_sequences_is_refused(fixture_model):
+    """--parallel 65 with the batch of 64 aborted the process in llama.cpp (n_outputs_max), above 256 two lines of
+    llama.cpp that named no option."""
+    proc = ahakv("serve", str(fixture_model), "--parallel", "65", "--budget", "128", "--port", "1")
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "error: --parallel 65 is more than the batch size 64: a step decodes one token of every sequence in one batch "
+        "(give --batch-size 65 or more)"
+    ]
+    proc = ahakv("serve", str(fixture_model), "--parallel", "300", "--budget", "128", "--port", "1")
+    assert proc.returncode == 2 and "'--parallel': 300 is not in the range 1<=x<=256" in proc.stderr
+
+
+def test_an_environment_budget_or_worker_has_a_way_out(fixture_model, tmp_path):
+    """With AHAKV_BUDGET set no option gave the full cache (`chat --policy full` was refused, every --budget value
+    too), and with AHAKV_RPC none kept the layers here: `--budget none`, `--policy full` and `--rpc ""` now do."""
+    env = {**os.environ, "AHAKV_BUDGET": "512", "AHAKV_CACHE_DIR": str(tmp_path)}
+    proc = ahakv("chat", str(fixture_model), "--policy", "full", "-n", "2", "-t", "1", env=env, stdin="hello\n")
+    assert proc.returncode == 0 and "error" not in proc.stderr, proc.stderr
+    for extra in (["--budget", "none"], ["--policy", "full"]):
+        proc = ahakv("generate", str(fixture_model), "-p", "hi", "-n", "2", "-t", "1", "--stats", *extra, env=env)
+        assert proc.returncode == 0 and re.search(r"cache \d+/- cells", proc.stderr), proc.stderr  # no budget
+    env = {**os.environ, "AHAKV_RPC": "127.0.0.1:1"}
+    assert ahakv("generate", str(fixture_model), "-p", "hi", "-n", "2", "-t", "1", env=env).returncode == 1
+    assert ahakv("generate", str(fixture_model), "-p", "hi", "-n", "2", "-t", "1", "--rpc", "", env=env).returncode == 0
+
+
+def test_model_path_prints_the_path_alone_and_takes_ahakv_model(fixture_model, tmp_path):
+    """The first use of a cache folder printed "assembling ..." on stdout, before the path (two lines for
+    `$(ahakv-local model-path)`, and a corrupted `generate > file`); AHAKV_MODEL was ignored there alone."""
+    env = {**os.environ, "AHAKV_CACHE_DIR": str(tmp_path)}
+    proc = ahakv("model-path", env=env)
+    assert proc.returncode == 0 and proc.stdout.splitlines() == [str(tmp_path / "models" / "gemma-3-270m-q4_k_m.gguf")]
+    assert "assembling" in proc.stderr
+    proc = ahakv("model-path", env={**env, "AHAKV_MODEL": str(fixture_model)})
+    assert proc.stdout.splitlines() == [str(fixture_model)]
+
+
+def test_a_cache_folder_that_cannot_be_used_is_no_traceback(fixture_model, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {**os.environ, "AHAKV_CACHE_DIR": str(blocker)}
+    proc = ahakv("model-path", "fixture", env=env)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"error: could not write the test model into {blocker / 'models'}: Not a directory"
+    ]
+    # chat: no history there, and the transcript shown rather than kept
+    proc = ahakv("chat", str(fixture_model), "-n", "2", "-t", "1", env=env, stdin="hello\n")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+    assert "cannot keep the conversation" in proc.stderr
+
+
+def test_info_reads_the_environment_as_generate_does(fixture_model):
+    """info ignored AHAKV_BUDGET, AHAKV_CTX_SIZE and AHAKV_LAYER_BUDGETS (it stated 512 cells where generate would
+    allocate 2 MiB), though it honoured AHAKV_KV_TYPE."""
+    env = {**os.environ, "AHAKV_BUDGET": "96", "AHAKV_CTX_SIZE": "1024", "AHAKV_LAYER_BUDGETS": "shared"}
+    by_env = ahakv("info", str(fixture_model), env=env)
+    by_options = ahakv("info", str(fixture_model), "--budget", "96", "-c", "1024", "--layer-budgets", "shared")
+    assert by_env.returncode == by_options.returncode == 0 and by_env.stdout == by_options.stdout
+    assert by_env.stdout != ahakv("info", str(fixture_model)).stdout
+
+
+@pytest.mark.parametrize("threads", ["abc", "0", "100000"])
+def test_bad_threads_from_the_option_or_the_environment_are_exit_2(fixture_model, threads):
+    """AHAKV_THREADS=abc exited 1 where any other bad option value exits 2; -t 100000 crashed llama.cpp (a segfault;
+    ggml takes at most 512)."""
+    for args, env in [(["-t", threads], None), ([], {**os.environ, "AHAKV_THREADS": threads})]:
+        proc = ahakv("generate", str(fixture_model), "-p", "hi", "-n", "2", *args, env=env)
+        assert proc.returncode == 2 and "'-t' / '--threads'" in proc.stderr, proc.stderr
+
+
+def test_the_measuring_commands_take_the_environment_s_schedule(fixture_model, tmp_path):
+    """eval ppl ignored AHAKV_SINKS, AHAKV_RECENT, AHAKV_EVICT_EVERY and AHAKV_OBSERVE_STEPS (it measured 4, 32 and
+    the product's period where chat and generate ran the user's), and wrote no thread count taken from AHAKV_THREADS."""
+    env = {**os.environ, "AHAKV_SINKS": "8", "AHAKV_RECENT": "16", "AHAKV_EVICT_EVERY": "4", "AHAKV_THREADS": "1",
+           "AHAKV_OBSERVE_STEPS": "2"}  # fmt: skip
+    proc = ahakv("eval", "ppl", str(fixture_model), "--tokens", "200", "--prefix", "64", "--budgets", "100",
+                 "--policies", "ahakv", "--out", str(tmp_path), env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads((tmp_path / "results.json").read_text())["config"]
+    assert [config[k] for k in ("n_sink", "n_recent", "evict_every", "observe_steps")] == [8, 16, 4, 2]
