@@ -131,11 +131,14 @@ def _model(model: str | None) -> Path:
 
 
 def _policies(policies: str) -> list[str]:
+    """The evicting policies to measure ("all": every one); the full cache is always measured beside them."""
     from .policies import POLICIES, make_policy
 
     names = [p for p in POLICIES if p != "full"] if policies == "all" else [p.strip() for p in policies.split(",")]
     for name in names:
         make_policy(name)  # a clear error for an unknown name, before any model is loaded
+    if "full" in names:  # refused when its budgeted run opened, after the full cache's
+        raise bad_value("--policies", "full is the reference every run is measured beside: name evicting policies")
     return list(dict.fromkeys(names))  # each once: a policy named twice ran twice into one row
 
 
@@ -367,6 +370,7 @@ def eval_needle(
     from .report import write_needle_report
 
     rpc_servers = parse_rpc(rpc)
+    names = _policies(policies)  # before the model is read
     out = _out(out_dir)
     path = _model(model)
     filler = read_text(filler_file)
@@ -387,7 +391,7 @@ def eval_needle(
     from .session import SessionSpec
 
     schedule = dict(n_sink=sinks, n_recent=recent)
-    configs = [SessionSpec()] + [SessionSpec.bounded(p, c, **schedule) for c in cells for p in _policies(policies)]
+    configs = [SessionSpec()] + [SessionSpec.bounded(p, c, **schedule) for c in cells for p in names]
     with _bar("eval needle", len(configs) * len(lens) * len(deps) * trials) as bar:
         bar.unit = "trial"
         try:
@@ -405,7 +409,8 @@ def eval_needle(
             )
         except ValueError as exc:
             raise AhakvError(str(exc)) from None
-    for line in write_needle_report(out, trials_, path, filler_file):
+    settings = dict(lengths=lens, depths=deps, budgets=cells, policies=names, trials=trials, seed=seed, **schedule)
+    for line in write_needle_report(out, trials_, path, filler_file, settings):
         click.echo(line)
 
 

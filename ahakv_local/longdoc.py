@@ -24,7 +24,7 @@ import random
 import re
 import string
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,7 +83,8 @@ class LongdocItem:
     sentences: tuple[str, ...]  # the hidden sentences
 
     def score(self, answer: str) -> float:
-        return score_answer(self.task, self.expected, answer)
+        variables = set(re.findall(r"VAR ([A-Z]{5})", " ".join(self.sentences)))  # vartrack: the chain and the decoys'
+        return score_answer(self.task, self.expected, answer, variables - set(self.expected))
 
 
 @dataclass
@@ -108,10 +109,11 @@ class LongdocTrial:
 # -- scoring ---------------------------------------------------------------------------------------
 
 
-def score_answer(task: str, expected: Sequence[str], answer: str) -> float:
+def score_answer(task: str, expected: Sequence[str], answer: str, wrong: Collection[str] = ()) -> float:
     """single, multikey: 1 if the first number of the answer is the key; fact: 1 if its first word (past an
     article) is the word, in any case; multivalue: the fraction of the keys among its numbers; vartrack: the
-    fraction of the variables among its 5-letter capitalized names."""
+    variables among its 5-letter capitalized names over the variables plus the ``wrong`` ones it names (the decoy
+    chain's: naming every variable of the prompt scored 1, where the task is to tell the chains apart)."""
     if task in ("single", "multikey"):
         m = re.search(r"\d+", answer)
         return float(m is not None and m.group(0) == expected[0])
@@ -124,7 +126,7 @@ def score_answer(task: str, expected: Sequence[str], answer: str) -> float:
         found = set(re.findall(r"\b[A-Z]{5}\b", answer))
     else:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
-    return len(found & set(expected)) / len(expected)
+    return len(found & set(expected)) / (len(expected) + len(found & set(wrong)))
 
 
 # -- generation ------------------------------------------------------------------------------------
@@ -336,16 +338,20 @@ def run_longdoc(
     most = answer_tokens or max(ANSWER_TOKENS[t] for t in tasks)
     total, done = sum(len(s) for s in spec_list.values()) * len(tasks) * len(depths) * trials, 0
     results: list[LongdocTrial] = []
+    items: dict[int, list[tuple[int, LongdocItem]]] = {}
     for length in lengths:
-        items = None
         for spec in spec_list[length]:
             with open_session(
                 model, spec, length + most, n_ubatch, rpc_servers=rpc_servers, n_threads=n_threads
             ) as session:
                 engine = session.engine
-                if items is None:  # tokenization is the model's, whatever the spec
-                    items = make_items(engine, Filler(engine, filler_texts), tasks, length, depths, trials, seed)
-                for trial, item in items:
+                if not items:  # every length's, before any run (tokenization is the model's, whatever the spec): a
+                    # length too short for a task, or past the filler, failed after the lengths before it had run
+                    items = {
+                        n: make_items(engine, Filler(engine, filler_texts), tasks, n, depths, trials, seed)
+                        for n in lengths
+                    }
+                for trial, item in items[length]:
                     session.reset()  # an empty cache and a fresh policy for every item
                     start = time.perf_counter()
                     logits = session.read(item.prompt, item.question)

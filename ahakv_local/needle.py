@@ -88,6 +88,9 @@ def run_needle(
         with open_session(model, spec, longest, n_ubatch, rpc_servers=rpc_servers, n_threads=n_threads) as session:
             engine, ctl = session.engine, session.controller
             filler = engine.tokenize(filler_text, add_bos=False)
+            if spec is specs[0]:  # every length fits the filler, before any run (it failed at its turn)
+                for length in lengths:
+                    build_prompt(engine, filler, length, 0.0, "00000")
             for (length, depth, _), key in keys.items():
                 prompt = build_prompt(engine, filler, length, depth, key)
                 session.reset()  # an empty cache and a fresh policy for every trial

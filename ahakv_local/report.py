@@ -79,9 +79,12 @@ def write_ppl_report(
     return lines
 
 
-def write_needle_report(out: Path, trials: list[NeedleTrial], model: Path, filler: str) -> list[str]:
-    """results.json/.csv/.md of the passkey trials; return the Markdown table's lines."""
-    meta = provenance(model, filler, max(t.length for t in trials))
+def write_needle_report(
+    out: Path, trials: list[NeedleTrial], model: Path, filler: str, settings: dict | None = None
+) -> list[str]:
+    """results.json/.csv/.md of the passkey trials; return the Markdown table's lines. ``settings``: what the run was
+    made with (lengths, depths, budgets, policies, trials, seed, sinks, recent), into results.json's config."""
+    meta = provenance(model, filler, max(t.length for t in trials)) | (settings or {})
     lines = [f"# passkey retrieval: {model.name}, filler {filler}", "", *accuracy_table(trials)]
     fields = ["label", "policy", "budget", "length", "depth", "key", "answer", "solved", "max_cells"]
     _write(out, meta, [asdict(t) | {"budget": str(t.budget)} for t in trials], fields, lines)

@@ -718,3 +718,33 @@ def test_the_measuring_commands_take_the_environment_s_schedule(fixture_model, t
     assert proc.returncode == 0, proc.stderr
     config = json.loads((tmp_path / "results.json").read_text())["config"]
     assert [config[k] for k in ("n_sink", "n_recent", "evict_every", "observe_steps")] == [8, 16, 4, 2]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["eval", "longdoc", "--tasks", "vartrack", "--lengths", "160,100", "--compressions", "2", "--reading", "plain"],
+        ["eval", "needle", "--lengths", "128,7700", "--budgets", "64"],
+        ["eval", "needle", "--policies", "full", "--lengths", "128", "--budgets", "64"],
+        ["eval", "longdoc", "--policies", "full", "--lengths", "128", "--compressions", "2", "--reading", "plain"],
+    ],
+    ids=["longdoc too short", "needle past the filler", "needle full", "longdoc full"],
+)
+def test_an_eval_request_that_cannot_run_is_refused_before_any_run(command, gemma_model, tmp_path, monkeypatch):
+    """A length too short for a task or past the filler was refused at its turn, after the lengths before it had run
+    for every configuration (nothing written); --policies full after the full cache's run."""
+    from click.testing import CliRunner
+
+    from ahakv_local import session
+    from ahakv_local.cli import main
+
+    answered = []  # the items run: each ends in an answer
+    real = session.BoundedSession.answer
+    monkeypatch.setattr(session.BoundedSession, "answer", lambda *a, **kw: answered.append(1) or real(*a, **kw))
+    policies = [] if "full" in command else ["--policies", "streaming"]
+    args = [*command[:2], str(gemma_model), *command[2:], "--depths", "0.5", *policies, "-t", "1"]
+    result = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "out")])
+    last = result.output.strip().replace("\r", "\n").splitlines()[-1]  # (after the progress bar, cleared)
+    assert result.exit_code in (1, 2) and last.startswith(("error: ", "Error: ")), result.output
+    assert not answered  # nothing was run
+    assert not (tmp_path / "out" / "results.json").exists()

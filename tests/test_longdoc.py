@@ -110,6 +110,16 @@ def test_items_are_seeded_and_their_keys_distinct(gemma_tokens):
         assert len(set(names)) == 8 and len(vt.expected) == 4
 
 
+def test_a_vartrack_item_counts_its_decoy_chain_against_an_answer(gemma_tokens):
+    e, filler = gemma_tokens
+    item = make_item(e, filler, "vartrack", 800, 0.5, seed=0)
+    decoys = sorted(set(re.findall(r"VAR ([A-Z]{5})", " ".join(item.sentences))) - set(item.expected))
+    assert len(decoys) == 4
+    assert item.score(" ".join(item.expected)) == 1.0
+    assert item.score(" ".join([*item.expected, *decoys])) == 0.5  # every variable of the prompt
+    assert item.score(" ".join([*item.expected, decoys[0]])) == 4 / 5
+
+
 def test_a_length_too_short_or_a_filler_too_small_is_refused(gemma_tokens):
     e, filler = gemma_tokens
     with pytest.raises(ValueError, match="too short"):
@@ -130,6 +140,9 @@ def test_scoring():
     assert score_answer("multivalue", ("11111", "22222", "33333"), "111112") == 0.0
     assert score_answer("vartrack", ("ABCDE", "FGHIJ"), "VAR ABCDE and FGHIJK.") == 0.5
     assert score_answer("vartrack", ("ABCDE", "FGHIJ"), "FGHIJ, ABCDE") == 1.0
+    # naming the decoy chain's variables too is not telling the chains apart (it scored 1)
+    assert score_answer("vartrack", ("ABCDE", "FGHIJ"), "ABCDE, FGHIJ, KLMNO", wrong=("KLMNO", "PQRST")) == 2 / 3
+    assert score_answer("vartrack", ("ABCDE", "FGHIJ"), "ABCDE FGHIJ KLMNO PQRST", wrong=("KLMNO", "PQRST")) == 0.5
     assert score_answer("fact", ("cinnamon",), "a Cinnamon.") == 1.0
     assert score_answer("fact", ("cinnamon",), "ginger, not cinnamon") == 0.0
     assert score_answer("fact", ("cinnamon",), "") == 0.0
