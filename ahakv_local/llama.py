@@ -25,6 +25,7 @@ With or without a budget, a model whose GGUF has no chat template chats as a pla
 from __future__ import annotations
 
 import ctypes
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -83,6 +84,13 @@ def llama_response_format(response_format: dict) -> dict:
     if not isinstance(schema, dict):
         raise ValueError('response_format of type json_schema needs "json_schema": {"name": ..., "schema": {...}}')
     return {"type": "json_object", "schema": schema}
+
+
+def last_paragraph(text: str) -> str:
+    """The last paragraph of ``text`` with words in it: after its last blank line, whatever ends its lines (a CRLF
+    file's question was its last 24 tokens of document with the question) or the blank line holds."""
+    paragraphs = re.split(r"\n[ \t]*\n", text.replace("\r\n", "\n").replace("\r", "\n"))
+    return next((p for p in reversed(paragraphs) if p.strip()), "")
 
 
 def product_layout(model_path: str | Path, n_gpu_layers: int = 0, rpc_servers: Sequence[str] = ()) -> str:
@@ -343,7 +351,7 @@ class Llama(llama_cpp.Llama):
                 self._kv_guide = None
                 return
             text = prompt if isinstance(prompt, str) else self.detokenize(list(prompt)).decode(errors="replace")
-            query = next((p for p in reversed(text.split("\n\n")) if p.strip()), "")
+            query = last_paragraph(text)
         tokens = self.tokenize(query.encode(), add_bos=False, special=False)  # read by its last tokens (prefill)
         self._kv_guide = guide("query", tokens, self._kv_engine)
 
@@ -364,7 +372,8 @@ class Llama(llama_cpp.Llama):
             kv_query = self._kv_query_default
         if kv_query is True:  # the question is the last user message, not the template's last paragraph
             users = [m.get("content") for m in messages if m.get("role") == "user"]
-            kv_query = (upstream.message_text(users[-1], "\n") or None) if users else None
+            # its parts joined as the chat template renders them (with nothing between)
+            kv_query = (upstream.message_text(users[-1], "") or None) if users else None
         self._chat_question = kv_query
         try:
             return super().create_chat_completion(messages, *args, **kwargs)

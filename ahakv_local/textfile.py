@@ -14,10 +14,17 @@ MAX_TEXT_BYTES = 64 << 20
 
 
 def decode(data: bytes, where: str) -> str:
+    """UTF-8 text, without the byte-order mark some editors write (an encoding's signature, which the model read as
+    a token); NUL bytes are no text (UTF-16 without its mark, a binary file: read, they were tokens of garbage)."""
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise AhakvError(f"{where} is not UTF-8 text (byte {exc.start}): convert it first, e.g. with iconv") from None
+    if "\0" in text:
+        raise AhakvError(
+            f"{where} is not UTF-8 text (a NUL byte at {text.index(chr(0))}: UTF-16, or binary?): convert it first"
+        )
+    return text
 
 
 def read_stream(stream: BinaryIO, where: str) -> str:

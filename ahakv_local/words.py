@@ -4,7 +4,8 @@ A pass key is five tokens for Gemma's tokenizer (one per digit), a name often tw
 token, a compressed cache keeps the digits the question attended to most and loses the others: the model then
 answers "58675." for 58678 (benchmarks/RESULTS.md, issue 12). Here a token continues the word before it when
 both touch without a space or punctuation between them (the previous piece ends, and this one starts, with a
-letter or digit); ``max_by_word`` gives every live token of a word the best score of its live tokens.
+letter or digit: ``in_word``; a character of a script written without spaces is a word of its own);
+``max_by_word`` gives every live token of a word the best score of its live tokens.
 
 ``WordMap(piece, joins=not_space)`` records runs of text between spaces instead ("17318." with its full stop):
 the reconstruction reading gives each its best score, because there a number that lost its full stop was read
@@ -13,21 +14,37 @@ back with a digit too many ("489689." for 48968, benchmarks/RESULTS.md); a quest
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 
+def wide(char: str) -> bool:
+    """A character of a script written without spaces (Han, kana, Hangul: East Asian wide or full width): a word of
+    its own, as the nearest unit without a segmenter. Joined, a line of Chinese was one word, every token of it
+    took its best score, and the reading kept what streaming keeps."""
+    return unicodedata.east_asian_width(char) in ("W", "F")
+
+
+def in_word(char: str) -> bool:
+    """A letter or digit of a spaced script, a combining mark (the accent of "café" written e + U+0301), or U+FFFD:
+    a token holding some bytes of a character split over several tokens, which detokenized alone is that."""
+    if wide(char):
+        return False
+    return char.isalnum() or char == "\ufffd" or unicodedata.category(char).startswith("M")
+
+
 def not_space(char: str) -> bool:
-    return not char.isspace()
+    return not char.isspace() and not wide(char)
 
 
 class WordMap:
     """Word starts by position, recorded as tokens are decoded (``add``) and forgotten on a rewind. Two tokens
-    that touch are one word when the characters on both sides of their boundary satisfy ``joins`` (default: a
-    letter or digit)."""
+    that touch are one word when the characters on both sides of their boundary satisfy ``joins`` (default:
+    ``in_word``)."""
 
-    def __init__(self, piece: Callable[[int], str], joins: Callable[[str], bool] = str.isalnum) -> None:
+    def __init__(self, piece: Callable[[int], str], joins: Callable[[str], bool] = in_word) -> None:
         self._piece = piece  # a token's text
         self._joins = joins
         self._edges: dict[int, tuple[bool, bool]] = {}  # token -> (starts, ends) with a joining character

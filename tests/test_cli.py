@@ -15,6 +15,7 @@ import pytest
 
 from ahakv_local.budget import QUERY_TOKENS, guide_room
 from ahakv_local.cli_eval import offloads_by_default
+from ahakv_local.errors import AhakvError
 
 
 def ahakv(
@@ -460,6 +461,20 @@ def test_text_that_is_not_utf8(fixture_model, tmp_path):
         assert_one_line_error(
             ahakv(*command[:2], str(fixture_model), *command[2:]), r"error: .*latin1\.txt is not UTF-8"
         )
+
+
+def test_a_byte_order_mark_is_no_text_and_nul_bytes_are_no_text_file(tmp_path):
+    """A UTF-8 byte-order mark reached the model as a token (and changed the answer); UTF-16 without its mark, or
+    a file of zeros, was read as NUL-interleaved text and answered."""
+    from ahakv_local.textfile import read_text
+
+    marked = tmp_path / "marked.txt"
+    marked.write_bytes(b"\xef\xbb\xbfThe capital of France is")
+    assert read_text(marked) == "The capital of France is"
+    for name, data in [("u16.txt", "The capital".encode("utf-16-le")), ("zeros.bin", bytes(3000))]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(AhakvError, match=rf"{name} is not UTF-8 text \(a NUL byte at \d+: UTF-16, or binary\?\)"):
+            read_text(tmp_path / name)
 
 
 def test_a_text_without_end_is_refused_not_read_until_memory_runs_out(fixture_model):

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from ahakv_local import Llama
+from ahakv_local import Llama, upstream
 from ahakv_local.budget import QUERY_TOKENS, Budget, guide_room
 from ahakv_local.controller import KVController
 from ahakv_local.engine import Engine, EngineConfig
@@ -260,6 +260,11 @@ def test_the_drop_in_reads_a_long_prompt_with_its_question(fixture_model, licens
         assert seen == []  # off
         llm.create_completion(f"{document}\n\nThe version is", max_tokens=2, temperature=0)
         assert seen and seen[-1] == llm.tokenize(b"The version is", add_bos=False)  # the last paragraph
+        for blank in ("\r\n\r\n", "\n \n", "\r\r"):  # whatever ends the lines, or stands in the blank line
+            seen.clear()
+            crlf = document.replace("\n", blank[: len(blank) // 2] if blank[0] == "\r" else "\n")
+            llm.create_completion(f"{crlf}{blank}The version is", max_tokens=2, temperature=0)
+            assert seen and seen[-1] == llm.tokenize(b"The version is", add_bos=False), repr(blank)
         seen.clear()
         llm.create_completion(f"{document}\n\nThe version is", max_tokens=2, temperature=0, kv_query="Which?")
         assert seen and all(q == llm.tokenize(b"Which?", add_bos=False) for q in seen)
@@ -272,8 +277,10 @@ def test_the_drop_in_reads_a_long_prompt_with_its_question(fixture_model, licens
         seen.clear()  # OpenAI's content parts: their text (it was the rendered template's last paragraph)
         parts = [{"type": "text", "text": document}, {"type": "text", "text": "Which version is this?"}]
         llm.create_chat_completion(messages=[{"role": "user", "content": parts}], max_tokens=2, temperature=0)
-        joined = llm.tokenize(f"{document}\nWhich version is this?".encode(), add_bos=False, special=False)
-        assert seen and seen[0] == joined[-QUERY_TOKENS:]
+        # as the prompt renders them: the chat template (here the transcript) joins parts with nothing between
+        rendered = upstream.chat_prompt_tokens(llm, [{"role": "user", "content": parts}], False)
+        joined = llm.tokenize(f"{document}Which version is this?".encode(), add_bos=False, special=False)
+        assert seen and seen[0] == joined[-QUERY_TOKENS:] and llm.detokenize(joined[-8:]) in llm.detokenize(rendered)
         with pytest.raises(AhakvError, match="kv_query must be a question's text, True, False"):  # was AttributeError
             llm.create_completion("The version is", max_tokens=2, kv_query=123)
     with pytest.raises(AhakvError, match="kv_query"):

@@ -8,15 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ahakv_local.words import WordMap, max_by_word, not_space
+from ahakv_local.words import WordMap, in_word, max_by_word, not_space
 
 from reference import word_max, word_starts
 
 # pieces as Gemma's tokenizer gives them: digits alone, words with and without a leading space, word pieces
 PIECES = ["The", " pass", " key", " is", " ", "5", "8", "0", ".", " ABC", "DE", "x", "\n\n", ",", " =", "é"]
+PIECES += ["今天", "天气", "。", "\u0301", "\ufffd"]  # Han (no spaces), an ideographic stop, a combining accent, a byte
 
 
-@pytest.mark.parametrize("joins", [str.isalnum, not_space], ids=["words", "spans"])
+@pytest.mark.parametrize("joins", [in_word, not_space], ids=["words", "spans"])
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(
     tokens=st.lists(st.integers(0, len(PIECES) - 1), min_size=1, max_size=40),
@@ -63,3 +64,18 @@ def test_max_by_word_gives_each_token_its_word_s_best(lengths: list[int]) -> Non
     scores = rng.normal(size=words.size)
     scores[rng.integers(0, words.size)] = np.inf  # a policy insisting on a token keeps its whole word
     np.testing.assert_array_equal(max_by_word(words, scores), word_max(scores, words))
+
+
+def test_a_script_without_spaces_is_a_word_per_character_and_a_split_character_stays_whole() -> None:
+    """A line of Chinese was one word (every Han character is alphanumeric), so a guided reading gave every token its
+    best score and kept what streaming keeps; a character of byte tokens (each U+FFFD alone) or an accent written
+    as a combining mark was split from its letters."""
+    han = ["今天", "天气", "很好", "。", "我们"]
+    for joins in (in_word, not_space):
+        words = WordMap(lambda t: han[t], joins)
+        words.add(0, list(range(5)))
+        np.testing.assert_array_equal(words.words(np.arange(5)), np.arange(5))
+    pieces = [" caf", "e", "\u0301", " \ufffd", "\ufffd", "\ufffd", "\ufffd", " word"]  # "café", "𝔘" in 4 bytes
+    words = WordMap(lambda t: pieces[t])
+    words.add(0, list(range(len(pieces))))
+    np.testing.assert_array_equal(words.words(np.arange(len(pieces))), [0, 0, 0, 3, 3, 3, 3, 7])
