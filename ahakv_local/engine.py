@@ -173,6 +173,8 @@ class Engine:
         check_kv_types(read_info(path), config.type_k, config.type_v)
         cache_cells = self._check_cache_cells(config, min(config.n_ubatch, config.n_batch))
         groups = config.layer_groups
+        if config.n_seq < 1:
+            raise ValueError(f"n_seq must be at least 1, not {config.n_seq}")
         threads = config.n_threads or default_threads()
         self.native = lib()  # refuses an unpatched engine before anything is loaded
 
@@ -198,8 +200,6 @@ class Engine:
         cparams.n_ctx = config.n_ctx
         cparams.n_batch = config.n_batch
         cparams.n_ubatch = min(config.n_ubatch, config.n_batch)
-        if config.n_seq < 1:
-            raise ValueError(f"n_seq must be at least 1, not {config.n_seq}")
         cparams.n_seq_max = config.n_seq
         # one KV stream for every sequence: the tap's statistics are indexed by the cells of one stream
         cparams.kv_unified = config.n_seq > 1
@@ -213,16 +213,15 @@ class Engine:
         if cb_eval is not None:
             self._cb_eval = cb_eval  # keep the CFUNCTYPE alive as long as the context
             cparams.cb_eval = cb_eval
-        if (cache_cells[1] or groups) and llama_cpp.llama_model_n_swa(self._model.model) <= 0:
-            self._model.close()
-            what = "layer groups need one" if groups else "cache_cells=(n, 0) sizes its only cache"
-            raise AhakvError(f"{path.name} has no sliding-window cache: {what}")
-        if groups:
-            self._check_layer_groups(groups, self._layer_sliding())
-        self._cparams = cparams  # a resize (``resize_caches``) makes the next context with them
-        try:
+        try:  # past the model's load: any refusal frees it now (it waited for the garbage collector)
+            if (groups or cache_cells[1:2] != (0,)) and llama_cpp.llama_model_n_swa(self._model.model) <= 0:
+                what = "layer groups need one" if groups else "cache_cells=(n, 0) sizes its only cache"
+                raise AhakvError(f"{path.name} has no sliding-window cache: {what}")
+            if groups:
+                self._check_layer_groups(groups, self._layer_sliding())
+            self._cparams = cparams  # a resize (``resize_caches``) makes the next context with them
             self._ctx = self._new_context(cache_cells)
-        except AhakvError:
+        except BaseException:
             self._model.close()
             raise
         self._batch = upstream.new_batch(config.n_batch, config.verbose)
@@ -284,7 +283,7 @@ class Engine:
         old, self._ctx = self._ctx, new
         if not self._owned:
             upstream.replace_context(self._owner(), new)
-        old.close()  # llama.cpp frees it now; a Llama closing its own later finds it closed
+        upstream.free_context(old)  # llama.cpp frees it now, and the model no longer holds it
         self.config = dataclasses.replace(self.config, cache_cells=cells)
         self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
 

@@ -259,6 +259,7 @@ class Llama(llama_cpp.Llama):
             self._use_kv_type(model_path, spec.kv_type, kwargs)
         cells = n_ctx  # a shared ratio or auto budget: the caller's n_ctx bounds the cells
         layer_cells: tuple[int, ...] = ()
+        allocation = None
         # the longest sequence the caches are laid out for: under a cell or byte budget positions run to the trained
         # context (set_position_bound below), and a full-attention layer's share may grow toward it (at n_ctx, 512
         # by default, adaptive capped a budget of 1,024 cells at 543); a ratio, auto or no budget, at n_ctx
@@ -274,9 +275,10 @@ class Llama(llama_cpp.Llama):
             cells = max(sizes)
             layer_cells = allocation.layer_cells(read_info(Path(model_path)).layer_sliding)
             kwargs.setdefault("swa_full", not sizes[1])
-            set_next_caches(sizes, allocation.layer_groups)  # consumed by the context llama_cpp.Llama creates next
-        check_cells(model_path, cells, budget, layer_cells, spec.kv_type)
-        try:
+        check_cells(model_path, cells, budget, layer_cells, spec.kv_type)  # (before the caches are set: a refusal
+        try:  # left them pending, and the next model of this thread got them)
+            if allocation is not None:
+                set_next_caches(allocation.cache_cells, allocation.layer_groups)  # for the context upstream makes next
             self._load(model_path, n_ctx=cells, n_batch=n_batch, **kwargs)
         finally:
             clear_next_caches()

@@ -200,6 +200,16 @@ def replace_context(llm, ctx) -> None:
     llm._ctx = ctx
 
 
+def free_context(ctx) -> None:
+    """Free a ``LlamaContext`` now and drop its model's hold on it: each context registers its ``close`` on its
+    model's exit stack, which kept every context a resize replaced (freed in llama.cpp, alive in Python, 800 after
+    400 state loads of other sizes) until the model closed."""
+    ctx.close()
+    callbacks = ctx.model._exit_stack._exit_callbacks  # (is_sync, wrapper of the callback) pairs, in order
+    for entry in [e for e in callbacks if getattr(e[1], "__wrapped__", None) == ctx.close]:
+        callbacks.remove(entry)
+
+
 def replace_handles(llm, stand_in) -> None:
     """After ``close()``: put ``stand_in`` where every later call would find a freed native pointer."""
     llm._model = llm._ctx = llm._batch = llm.tokenizer_ = stand_in

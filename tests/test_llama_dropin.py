@@ -490,3 +490,43 @@ def test_evictions_count_from_none_for_each_new_sequence(gemma_model, license_te
         llm("Hello world", max_tokens=2, temperature=0)  # a new prompt: read from the start
         s = llm.kv_stats()
         assert s.evicted == 0 and s.tokens_seen == s.cells_used
+
+
+def test_a_refused_budget_leaves_nothing_for_the_next_model(fixture_model):
+    """A kv_budget refused before the load (past the trained context) left its cache layout pending in the thread,
+    and the next Llama, without a budget, got 5,641 cells where it asked for 512 (Gemma: 18 caches, 13x the bytes)."""
+    with pytest.raises(AhakvError, match="trained context"):
+        Llama(str(fixture_model), kv_budget=5000, n_ctx=512, verbose=False)
+    with Llama(str(fixture_model), n_ctx=512, verbose=False) as plain:
+        assert plain.kv_engine.cache_sizes() == (512,)
+
+
+@pytest.mark.parametrize(
+    ("config", "error"),
+    [
+        ({"n_seq": 0}, ValueError),
+        ({"layer_groups": (0,) * 6, "cache_cells": (256,)}, AhakvError),  # was an IndexError, the model left loaded
+        ({"layer_groups": (0,) * 6}, AhakvError),
+    ],
+)
+def test_an_engine_refused_after_its_model_loads_frees_it(config, error, monkeypatch):
+    """A refusal past the model's load left the model loaded until the garbage collector found its cycle (250 MB for
+    the default model); one of them was a bare IndexError."""
+    import gc
+
+    from ahakv_local import upstream
+    from ahakv_local.engine import Engine, EngineConfig
+    from ahakv_local.fixture import FixtureSpec
+    from ahakv_local.models import fixture_path
+
+    loaded = []
+    real = upstream.load_model
+    monkeypatch.setattr(upstream, "load_model", lambda *a: loaded.append(real(*a)) or loaded[-1])
+    path = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
+    gc.disable()  # as between two collections
+    try:
+        with pytest.raises(error):
+            Engine(path, EngineConfig(n_ctx=256, n_batch=64, n_ubatch=64, **config))
+        assert all(m.model is None for m in loaded)  # never loaded, or freed at once
+    finally:
+        gc.enable()

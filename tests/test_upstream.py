@@ -127,3 +127,30 @@ def test_a_quiet_model_says_nothing_on_stderr(gemma_model, capfd):
     with Llama(str(gemma_model), n_ctx=1024, kv_budget=512, verbose=False) as llm:
         llm.create_completion("The GPL is", max_tokens=2)
     assert capfd.readouterr().err == ""
+
+
+def test_a_replaced_context_is_let_go_by_its_model(fixture_model):
+    """Each LlamaContext registers its close on its model's exit stack: a context an adaptive resize replaced stayed
+    alive there until the model closed (800 after 400 state loads of other sizes). The stack keeps one entry per
+    live context, and the replaced context is freed (``free_context``)."""
+    import gc
+    import weakref
+
+    from ahakv_local.fixture import FixtureSpec
+    from ahakv_local.models import fixture_path
+
+    path = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
+    with Llama(str(path), kv_budget=64, n_ctx=512, n_batch=32, verbose=False) as llm:
+        model, ctx, _ = upstream.handles(llm)
+        before = len(model._exit_stack._exit_callbacks)
+        replaced = []
+        for sizes in [(70, 40, 40, 70, 40, 70), (80, 45, 45, 80, 45, 80), llm.kv_engine.cache_sizes()]:
+            replaced.append(weakref.ref(upstream.handles(llm)[1]))
+            llm.kv_engine.resize_caches(sizes)
+            assert llm.kv_engine.cache_sizes() == sizes
+        gc.collect()
+        assert len(model._exit_stack._exit_callbacks) == before
+        assert all(r() is None or r().ctx is None for r in replaced) and upstream.handles(llm)[1].ctx is not None
+        # the first was upstream's own, which its Llama holds until it closes (one, not one per resize); nothing
+        # holds those the engine made
+        assert all(r() is None for r in replaced[1:])
