@@ -66,7 +66,7 @@ class BuildPlan:
         parts = [
             SDIST_SHA256,
             self.patch_hash,
-            shlex.join(self.cmake_args),  # as CMAKE_ARGS is handed over (the same string for unquoted flags)
+            " ".join(self.cmake_args),  # (not shlex.join: a key must not change for flags built before)
             platform.machine(),
             sys.platform,
             f"py{sys.version_info.major}",
@@ -75,7 +75,7 @@ class BuildPlan:
 
     @property
     def flags_key(self) -> str:
-        return hashlib.sha256(shlex.join(self.cmake_args).encode()).hexdigest()[:12]
+        return hashlib.sha256(" ".join(self.cmake_args).encode()).hexdigest()[:12]
 
 
 # what ggml-vulkan compiles with: (what it is, where it is found, the Debian package that installs it)

@@ -13,6 +13,7 @@ from click.core import ParameterSource
 from . import __version__
 from .budget import DEFAULT_LAYER_BUDGETS, KV_TYPE_AUTO, LAYER_BUDGETS, READINGS
 from .cli_eval import (
+    MAX_THREADS,
     Count,
     Positive,
     gpu_layers,
@@ -25,7 +26,7 @@ from .cli_eval import (
 from .errors import AhakvError
 from .extras import require
 from .info import KV_CACHE_TYPES
-from .textfile import read_stream, read_text
+from .textfile import decode, read_stream, read_text
 
 BUDGETED_BATCH = 64  # prompt tokens per decode call under a budget: the cache stays within one chunk of it
 
@@ -71,7 +72,14 @@ def build(cuda: bool, metal: bool, vulkan: bool, cmake_args: str, rpc: bool, for
 @main.command("rpc-server")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (trusted networks only).")
 @click.option("--port", type=click.IntRange(1, 65535), default=50052, show_default=True)
-@click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: cores / 2).")
+@click.option(
+    "-t",
+    "--threads",
+    type=click.IntRange(1, MAX_THREADS),  # ggml's most: -t 100000 crashed the worker (and aborted its client)
+    default=None,
+    envvar="AHAKV_THREADS",
+    help="CPU threads (default: cores / 2).",
+)
 def rpc_server(host: str, port: int, threads: int | None) -> None:
     """Run a llama.cpp RPC worker from this engine's build (`build --rpc`) for `--rpc HOST:PORT` clients.
 
@@ -108,8 +116,10 @@ def check_query_reading(engine: dict) -> None:
 
     if engine["reading"] != "query":
         raise AhakvError(f"--query guides a reading; it cannot be combined with --reading {engine['reading']}")
-    if engine["budget"] is None:
+    if asked_budget(engine["budget"], engine["policy"]) is None:  # (none, or none but AHAKV_BUDGET's)
         raise AhakvError("--query guides the reading of a prompt longer than the budget: give a --budget too")
+    if engine["batch_size"] == 1:
+        raise AhakvError("--query guides a prompt read in chunks: --batch-size 1 reads it a token at a time")
     if not make_policy(engine["policy"]).reads_with_query:  # (an unknown name: refused by make_policy)
         readers = query_readers()
         raise AhakvError(f"--query needs a policy that reads with a question ({readers}), not {engine['policy']}")
@@ -225,6 +235,17 @@ def check_model(path, batch_size: int | None) -> None:
         raise AhakvError(f"--batch-size {batch_size} is more than the model's trained context ({trained} tokens)")
 
 
+def argument_text(text: str, option: str) -> str:
+    """An option's text as UTF-8, or one line of error (a shell passes any bytes; Python escapes what is not UTF-8)."""
+    return decode(text.encode("utf-8", "surrogateescape"), f"the text of {option}")
+
+
+def given(option: str) -> bool:
+    """Whether the command line or the environment set ``option`` (not its default)."""
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and ctx.get_parameter_source(option) not in (None, ParameterSource.DEFAULT)
+
+
 def asked_budget(budget: str | None, policy: str) -> str | None:
     """--budget as the command runs with it: ``none`` is no budget, and so is one AHAKV_BUDGET set where the command
     line asks for --policy full (which keeps every token): an environment's budget had no way out but unsetting it."""
@@ -248,6 +269,9 @@ def load_llama(
     # the user's own mistakes first, before the model is assembled or read
     make_policy(policy)  # a clear error for an unknown policy
     budget = asked_budget(budget, policy)
+    if budget is not None and batch_size == 1 and reading != "plain" and given("reading"):
+        # a prompt read a token at a time is decode steps: no question or reconstruction guides it (it was ignored)
+        raise AhakvError(f"--reading {reading} guides a prompt read in chunks: --batch-size 1 reads a token at a time")
     if budget is not None:
         Budget.parse(budget)  # a clear error for a malformed budget; the controller checks its size
     evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
@@ -337,15 +361,17 @@ def chat(model, system, n_predict, temp, top_k, top_p, seed, **engine) -> None:
 @engine_options
 @click.option("-p", "--prompt", default=None, help="Prompt text (else --file, else standard input).")
 @click.option("-f", "--file", "prompt_file", default=None, help="Read the prompt from this file (-: standard input).")
-@click.option("-n", "--n-predict", default=128, show_default=True, help="Tokens to generate.")
+@click.option("-n", "--n-predict", type=Positive, default=128, show_default=True, help="Tokens to generate.")
 @sampling_options(temp=0.0)
 @click.option("--stats", is_flag=True, help="Print prompt/generation speed and cache figures to stderr.")
 @click.option("--query", default=None, help="The question to read a long prompt with (default: its last paragraph).")
 def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, stats, query, **engine) -> None:
     """Generate a continuation of a prompt."""
-    if n_predict < 1:
-        raise AhakvError("-n/--n-predict must be at least 1")
     source = "the prompt"
+    if prompt is not None:  # argv's bytes that are not UTF-8 come as surrogates, which failed at the tokenizer
+        prompt = argument_text(prompt, "-p")
+    if query is not None:
+        query = argument_text(query, "--query")
     if prompt is None:
         if prompt_file == "-" or (not prompt_file and not sys.stdin.isatty()):  # "-": the usual name of stdin
             source = "standard input"
@@ -406,15 +432,15 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
     show_default=True,
     envvar="AHAKV_BUDGET",
     help="Budget to compare with the full cache: cells of a full-attention layer (512), KV bytes over all layers "
-    "(8MiB), a ratio of the tokens seen (25%) or auto, as generate takes it.",
+    "(8MiB), a ratio of the tokens seen (25%), auto, or none (the full caches alone), as generate takes it.",
 )
 @click.option(
     "-c",
     "--ctx-size",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=0),
     default=None,
     envvar="AHAKV_CTX_SIZE",
-    help="Context length to compare at (default: trained).",
+    help="Context length to compare at (default or 0: trained, as generate takes it).",
 )
 @click.option(
     "-ub",
@@ -440,6 +466,11 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type) -> None:
     from .models import resolve_model
     from .session import SessionSpec
 
+    ctx_size = ctx_size or None  # 0: the trained context, as llama.cpp (and generate) take it
+    if budget.strip().lower() == "none":  # (AHAKV_BUDGET=none, set for generate): the full caches alone
+        model_info = read_info(resolve_model(model, progress=True))
+        click.echo(describe(model_info, ctx_size, ubatch_size, None))
+        return
     budget = Budget.parse(budget)  # one line for a malformed budget, before the model is read
     path = resolve_model(model, progress=True)
     model_info = read_info(path)

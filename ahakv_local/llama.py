@@ -437,11 +437,14 @@ class Llama(llama_cpp.Llama):
         character is incomplete, and llama_decode failed there. That token makes its completion end with the
         text so far; ``_create_completion`` reports it as "length"."""
         sent = None
+        self._sampling = False  # the first send reads the prompt; every decode after it is of sampled tokens
         while True:
             try:
                 token = tokens.send(sent)
             except StopIteration:
+                self._sampling = False
                 return
+            self._sampling = True
             self._timing["sampled"] += 1
             if not llama_cpp.llama_vocab_is_eog(vocab, token):  # the completion ends before it
                 self._usage[1] += 1
@@ -527,7 +530,10 @@ class Llama(llama_cpp.Llama):
         buf = (ctypes.c_uint8 * state.llama_state_size).from_buffer_copy(state.llama_state)
         _, ctx, _ = upstream.handles(self)
         if llama_cpp.llama_state_set_data(ctx.ctx, buf, state.llama_state_size) != state.llama_state_size:
-            self.reset()  # whatever llama.cpp restored is not a consistent cache
+            # whatever llama.cpp restored is not a consistent cache: every cell goes (it left the per-layer caches
+            # it had read, and from an empty sequence nothing else cleared them: every later decode failed)
+            ctx.kv_cache_clear()
+            self.reset()
             if backup is not None:
                 self.load_state(backup)
             if self._kv is None:  # llama_cpp.Llama's error (it leaves the sequence half-replaced, this one as it was)
@@ -560,7 +566,9 @@ class Llama(llama_cpp.Llama):
     # -- statistics -------------------------------------------------------------------------------
 
     def _count(self, n: int, seconds: float) -> None:
-        kind = "gen" if n == 1 else "prompt"
+        # a prompt's last piece may be one token (and every piece, at n_batch 1): counted by what is decoded, not by
+        # its length ("prompt 0 tok" at --batch-size 1, and a generation rate over a prompt token)
+        kind = "gen" if getattr(self, "_sampling", False) else "prompt"
         self._timing[f"{kind}_tokens"] += n
         self._timing[f"{kind}_s"] += seconds
 

@@ -174,7 +174,9 @@ def _how_to_load(meta: dict, llm) -> str:
     layout = meta.get("layer_budgets")
     if layout in LAYER_BUDGETS and kv is not None and layout != kv.config.layer_budgets:
         options.append(f"--layer-budgets {layout}")
-    if policy in POLICIES and policy != (kv.policy.name if kv is not None else "full"):
+    if meta.get("cache_cells") is None and kv is not None:  # the full cache's: no budget (--policy full alone is
+        options.append("--budget none")  # refused beside a --budget given on the command line)
+    elif policy in POLICIES and policy != "full" and policy != (kv.policy.name if kv is not None else "full"):
         options.append(f"--policy {policy}")
     kind = meta.get("kv_cache") if isinstance(meta.get("kv_cache"), dict) else {}
     stored = kind.get("type_k") if kind.get("type_k") in KV_CACHE_TYPES else None

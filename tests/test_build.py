@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -154,8 +156,21 @@ def test_a_quoted_cmake_value_reaches_cmake_as_one_argument(tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="stopped before compiling"):
         build.build_wheel(tmp_path / "src", tmp_path / "build", tmp_path / "dist", bp.cmake_args)
     assert tuple(shlex.split(seen["args"])) == bp.cmake_args
-    # flags without quotes give the same string as before, so existing engines keep their keys
-    assert shlex.join(build.plan().cmake_args) == " ".join(build.plan().cmake_args)
+    # the cache key still joins the flags with spaces: an engine built before keeps its key, whatever its flags
+    special = build.plan(cmake_args="-DCMAKE_CUDA_ARCHITECTURES=80;86")
+    key = hashlib.sha256(
+        "\n".join(
+            [
+                build.SDIST_SHA256,
+                special.patch_hash,
+                " ".join(special.cmake_args),
+                platform.machine(),
+                sys.platform,
+                f"py{sys.version_info.major}",
+            ]
+        ).encode()
+    )
+    assert special.key == key.hexdigest()[:20]  # fmt: skip
 
 
 @pytest.mark.parametrize(

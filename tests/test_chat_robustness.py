@@ -673,7 +673,7 @@ def test_a_refused_load_names_the_options_that_load_it(fixture_model, tmp_path):
         s.llm.close()
     expected = {  # (the chat loading, the file): the hint, then the chat those options open loads it
         ("h2o", "ahakv"): ("in KV caches of other sizes (129-129 cells): open the chat with --policy ahakv", "ahakv"),
-        ("h2o", "full"): ("without a budget (the full cache): open the chat with --policy full", "full"),
+        ("h2o", "full"): ("without a budget (the full cache): open the chat with --budget none", "full"),
         ("full", "ahakv"): ("in caches laid out for a budget: open the chat with --budget 64 --policy ahakv", "ahakv"),
         ("ahakv", "bytes"): (
             "in KV caches of other sizes (256-256 cells): /budget 64KiB first, or open the chat with --budget 64KiB "
@@ -695,3 +695,30 @@ def test_a_refused_load_names_the_options_that_load_it(fixture_model, tmp_path):
             assert command(s, "/load", str(tmp_path / f"{name}.chat")).startswith("loaded")
         finally:
             s.llm.close()
+
+
+def test_a_refused_first_load_leaves_a_chat_that_answers(tmp_path):
+    """A damaged file loaded as a chat's first command: llama.cpp restored some per-layer caches before refusing,
+    nothing cleared them from an empty sequence, and every later message failed ("llama_decode failed with code -1",
+    after /reset too), the caches left at the refused file's sizes."""
+    path = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
+    s = session(path, budget=96)
+    talk(s, "please tell me about the weather " * 3)
+    s.save(tmp_path / "good.chat")
+    s.llm.close()
+    with zipfile.ZipFile(tmp_path / "good.chat") as z:
+        meta, blob = z.read("chat.json"), z.read("state.bin")
+    with zipfile.ZipFile(tmp_path / "bad.chat", "w") as z:
+        z.writestr("chat.json", meta)
+        z.writestr("state.bin", blob[: 3 * len(blob) // 4])
+    fresh = session(path, budget=96)
+    expected, sizes = talk(fresh, "hello"), fresh.llm.kv_engine.cache_sizes()
+    fresh.llm.close()
+    s = session(path, budget=96)
+    try:
+        with pytest.raises(AhakvError, match="llama.cpp refused this state"):
+            s.load(tmp_path / "bad.chat")
+        assert s.messages == [{"role": "system", "content": "You are terse."}]
+        assert talk(s, "hello") == expected and s.llm.kv_engine.cache_sizes() == sizes
+    finally:
+        s.llm.close()

@@ -199,7 +199,12 @@ def test_info_refuses_what_generate_refuses_in_the_same_words(fixture_model, bud
     assert_one_line_error(said, message)
     assert_one_line_error(done, message)
     assert said.stderr == done.stderr
-    assert_one_line_error(ahakv("info", str(fixture_model), "-c", "0"), r"error: Invalid value for '-c'", code=2)
+    # -c 0 is the trained context, as generate takes it (AHAKV_CTX_SIZE=0 is one setting for both); -c -1 is no size
+    assert ahakv("info", str(fixture_model), "-c", "0").stdout == ahakv("info", str(fixture_model)).stdout
+    assert_one_line_error(ahakv("info", str(fixture_model), "-c", "-1"), r"error: Invalid value for '-c'", code=2)
+    # --budget none (AHAKV_BUDGET=none, set for generate) states the full caches alone
+    plain = ahakv("info", str(fixture_model), "--budget", "none", env={**os.environ, "AHAKV_BUDGET": "none"})
+    assert plain.returncode == 0 and "budget" not in plain.stdout.lower() and "KV" in plain.stdout
 
 
 def test_info_states_what_generate_allocates(gemma_model):
@@ -763,3 +768,32 @@ def test_an_eval_request_that_cannot_run_is_refused_before_any_run(command, gemm
     assert result.exit_code in (1, 2) and last.startswith(("error: ", "Error: ")), result.output
     assert not answered  # nothing was run
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_generate_checks_its_own_arguments(gemma_model, tmp_path):
+    """-p and --query bytes that are not UTF-8 ended in a traceback with a budget; -n 0 exited 1 (a bad option value
+    exits 2); --query over `--budget none` was ignored; a guided reading at --batch-size 1 was ignored (a prompt read
+    a token at a time is decode steps); and that prompt's last token was counted as generated ("prompt 0 tok")."""
+    model = str(gemma_model)
+    for args in (["-p", b"The capital of \xe9France is".decode("utf-8", "surrogateescape")],
+                 ["-p", "x", "--query", b"abc \xff".decode("utf-8", "surrogateescape")]):  # fmt: skip
+        option = args[-2]
+        assert_one_line_error(
+            ahakv("generate", model, "-n", "2", "-t", "1", "--budget", "64", *args),
+            rf"error: the text of {option} is not UTF-8 text \(byte \d+\)",
+        )
+    assert_one_line_error(ahakv("generate", model, "-p", "hi", "-n", "0"), r"error: Invalid value for '-n'", code=2)
+    assert_one_line_error(
+        ahakv("generate", model, "-p", "hi", "-n", "2", "--query", "What?", "--budget", "none"),
+        r"error: --query guides the reading of a prompt longer than the budget: give a --budget too",
+    )
+    assert_one_line_error(
+        ahakv("generate", model, "-p", "hi", "-n", "2", "--budget", "64", "--batch-size", "1", "--reading", "query"),
+        r"error: --reading query guides a prompt read in chunks: --batch-size 1 reads a token at a time",
+    )
+    text = tmp_path / "doc.txt"
+    text.write_text(open("/usr/share/common-licenses/GPL-3").read()[:900])
+    proc = ahakv("generate", model, "-f", str(text), "-n", "8", "-t", "1", "--budget", "64", "--batch-size", "1",
+                 "--stats")  # fmt: skip
+    n_prompt = len(llama_cpp.Llama(model, vocab_only=True, verbose=False).tokenize(text.read_bytes()))
+    assert proc.returncode == 0 and f"prompt {n_prompt} tok" in proc.stderr and "generated 8 tok" in proc.stderr

@@ -530,3 +530,20 @@ def test_an_engine_refused_after_its_model_loads_frees_it(config, error, monkeyp
         assert all(m.model is None for m in loaded)  # never loaded, or freed at once
     finally:
         gc.enable()
+
+
+def test_a_refused_state_in_an_empty_llama_leaves_it_working(gemma_model):
+    """A state llama.cpp refuses halfway (cut to 3/4) loaded into a Llama with nothing cached: the per-layer caches
+    it had read stayed, and every later call failed ("llama_decode failed with code -1")."""
+    kw = dict(kv_budget=256, n_ctx=1024, n_batch=64, verbose=False)
+    with Llama(str(gemma_model), **kw) as a:
+        a("The quick brown fox jumps over the lazy dog", max_tokens=4, temperature=0)
+        state = a.save_state()
+        expected = a("Hello", max_tokens=3, temperature=0)["choices"][0]["text"]
+    state.llama_state = bytes(state.llama_state)[: state.llama_state_size * 3 // 4]
+    state.llama_state_size = len(state.llama_state)
+    with Llama(str(gemma_model), **kw) as b:
+        with pytest.raises(ValueError, match="llama.cpp refused this state"):
+            b.load_state(state)
+        assert b.n_tokens == 0 and b.kv_engine.n_used() == 0
+        assert b("Hello", max_tokens=3, temperature=0)["choices"][0]["text"] == expected
