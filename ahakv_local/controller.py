@@ -560,6 +560,8 @@ class KVController:
         its layout where the engine can move the sequence (``Engine.resizable``): the allocated bytes become the
         budget's, fewer or more, as if the session had been opened with it (chat's ``/budget 8MiB``). Otherwise
         every budget is held inside the caches as they are."""
+        if not self.policy.evicts:  # accepted, a budget was then never held (cache 284/64)
+            raise AhakvError(f"policy {self.policy.name} keeps every token: a budget needs a policy that evicts")
         lay_out = resize and budget.mode == "bytes" and self.engine.resizable
         planned = self._resize_to
         if lay_out:  # checked against the caches it will have (``_sizes``), not those of now
@@ -648,6 +650,9 @@ class KVController:
             g.policy.truncate(0)
             g.obs = None
         self._pending = 0
+        self._tap = None  # nothing read for the policy yet (an eviction takes the oldest first: ``_evict``)
+        for g in self.groups:
+            g.decided = None  # the budget's own target: the saved sequence's last decision is not this one's
         self._resize_to = None  # the state was made for the caches as they are
         self._count()
         self.stats.tokens_seen = self.engine.n_past
@@ -788,7 +793,7 @@ class KVController:
         """Evict every group down to its budget now; returns how many positions went (over all groups).
         ``query_scores`` (one array per group, aligned with its ``live``, from ``read_query``) join each
         policy's own score (``Policy.with_query``), or with ``alone`` replace it."""
-        if not self.policy.evicts or not self.config.budget.evicts or self._tap is None:
+        if not self.policy.evicts or not self.config.budget.evicts:
             return 0
         scores = query_scores if query_scores is not None else [None] * len(self.groups)
         gone = sum(self._evict(g, q, alone) for g, q in zip(self.groups, scores, strict=True))
@@ -807,6 +812,13 @@ class KVController:
         starts over). Returns how many positions went."""
         self._hold(self.allocation(self.config.budget, self.shares.decide(self.engine.n_past)))
         return sum(self._evict(g, None, measure=False) for g in self.groups)
+
+    def hold_budget(self) -> int:
+        """Evict where a group holds more than its target now (a state saved under a larger budget: "cache 278/64"
+        until the next turn); nothing where every group is within it (a state is loaded as it was saved)."""
+        n = self.engine.n_past
+        over = any((t := g.budget.target(n)) is not None and g.live.size > t for g in self.groups)
+        return self.evict() if over else 0
 
     def takes_sizes(self, cells: Sequence[int]) -> bool:
         """Whether ``take_sizes`` takes these cache sizes: those of now, or adaptive shares of this budget (each kind of
@@ -885,9 +897,9 @@ class KVController:
         if g.obs is None or g.obs.positions is not g.live:
             # the live set changed since the last decode (an eviction, a new budget): re-read the
             # accumulated statistics for it; the policy has already observed them
-            g.obs = self._observe(g, self._tap[0])
+            g.obs = self._observe(g, self._tap[0] if self._tap is not None else TapFlag(0))
         obs, budget = g.obs, g.budget
-        if self.shares is not None and measure:  # adaptive: the layer's fill (once per observation)
+        if self.shares is not None and measure and obs.attn is not None:  # adaptive: the layer's fill
             self.shares.observe(int(g.layers[0]), obs)
         if budget.mode == "auto" and (obs.verr is None or obs.vnorm is None):
             return 0  # the error model decides at the next observed step (the budget just became auto)
@@ -895,7 +907,11 @@ class KVController:
         gone = g.outside_window(obs.n_seen)  # no layer of the group sees these again: they go first
         cfg = self.config
         candidates = np.flatnonzero(~g.protected(cfg.n_sink, cfg.n_recent, cfg.pinned) | gone)
-        if query_scores is not None and alone:
+        if self._tap is None:
+            # nothing read for this policy yet (just switched to, or a state just loaded): the oldest positions that
+            # may go, go first; a /budget then holds at once (it waited for the next message, the stats saying 56/40)
+            scores = g.live.astype(np.float64)
+        elif query_scores is not None and alone:
             scores = np.asarray(query_scores, dtype=np.float64)
         else:
             scores = g.policy.score(obs)

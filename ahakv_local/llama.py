@@ -543,6 +543,7 @@ class Llama(llama_cpp.Llama):
             self._kv_engine.n_past = self.n_tokens
             self._kv.resync()
             self._kv.fill_budget()
+            self._kv.hold_budget()  # a state saved under a larger budget, held now
 
     # -- resources --------------------------------------------------------------------------------
 

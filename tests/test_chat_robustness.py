@@ -722,3 +722,44 @@ def test_a_refused_first_load_leaves_a_chat_that_answers(tmp_path):
         assert talk(s, "hello") == expected and s.llm.kv_engine.cache_sizes() == sizes
     finally:
         s.llm.close()
+
+
+def test_a_budget_set_right_after_a_policy_is_held_at_once(tmp_path):
+    """The controller skipped every eviction until the new policy had read a decode: /budget 40 after /policy h2o said
+    "evicted 0 now" and the stats kept "56/64"; a smaller byte budget there was refused ("the group 0 cache holds 258
+    cells") with the budget already taken; a chat saved under a larger budget loaded over this one ("278/64"); and
+    under /policy full a cell budget was accepted and never held ("284/64"). With nothing read for a policy yet, the
+    oldest positions that may go, go first."""
+    s = session(fixture_path(), budget=64)
+    try:
+        talk(s, "the cat sat on the mat and then the dog came in and sat too " * 3)
+        command(s, "/policy", "h2o")
+        assert re.match(r"budget: 40 cells \(evicted [1-9]\d* now\)", command(s, "/budget", "40"))
+        st = s.llm.kv_stats()
+        assert st.budget == 40 and st.cells_used <= 40
+        for g in s.llm.kv_controller.groups:
+            np.testing.assert_array_equal(g.live, g.read_live(s.llm.kv_engine))
+        # a chat saved under a larger budget, loaded under this one: held at once
+        command(s, "/budget", "100KiB")
+        talk(s, "the cat sat on the mat and then the dog came in and sat too " * 8)
+        command(s, "/save", str(tmp_path / "big.chat"))
+        command(s, "/budget", "48")
+        command(s, "/load", str(tmp_path / "big.chat"))
+        st = s.llm.kv_stats()
+        assert st.budget == 48 and st.cells_used <= 48
+        # a cell budget for a policy that keeps every token is refused, not accepted and never held
+        command(s, "/budget", "2MiB")
+        command(s, "/policy", "full")
+        with pytest.raises(AhakvError, match="policy full keeps every token: a budget needs a policy that evicts"):
+            command(s, "/budget", "64")
+    finally:
+        s.llm.close()
+    g3 = session(fixture_path(FixtureSpec(arch="gemma3", n_layer=6)), budget=64)
+    try:
+        command(g3, "/budget", "200KiB")
+        talk(g3, "the cat sat on the mat and then the dog came in and sat too " * 4)
+        command(g3, "/policy", "h2o")
+        assert "KV caches 200 KiB -> 100 KiB" in command(g3, "/budget", "100KiB")
+        assert g3.llm.kv_engine.kv_bytes() <= 100 * 1024
+    finally:
+        g3.llm.close()
