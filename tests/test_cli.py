@@ -320,7 +320,9 @@ def test_bad_option_values_are_one_line(fixture_model):
     for proc in (by_option, ahakv("generate", "-p", "x", env=env)):
         assert_one_line_error(proc, r"error: Invalid value for '--sinks': -1 is not in the range x>=0", code=2)
     assert_one_line_error(
-        ahakv("generate", str(fixture_model), "-p", "x", "-n", "0"), r"error: -n/--n-predict must be at least 1"
+        ahakv("generate", str(fixture_model), "-p", "x", "-n", "0"),
+        r"error: Invalid value for '-n' / '--n-predict': 0 is not in the range x>=1",
+        code=2,
     )
 
 

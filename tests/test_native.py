@@ -88,5 +88,7 @@ def test_threads_default_to_ahakv_threads_then_every_core(fixture_model, monkeyp
     with Engine(fixture_model, EngineConfig(n_ctx=256)) as e:
         assert llama_cpp.llama_n_threads(e.ctx) == (os.cpu_count() or 1)
     monkeypatch.setenv("AHAKV_THREADS", "two")
-    with pytest.raises(AhakvError, match="AHAKV_THREADS must be a positive whole number"):
-        Engine(fixture_model, EngineConfig(n_ctx=256))
+    for bad in ("two", "0", "513"):  # ggml takes at most 512
+        monkeypatch.setenv("AHAKV_THREADS", bad)
+        with pytest.raises(AhakvError, match="AHAKV_THREADS must be a whole number from 1 to 512"):
+            Engine(fixture_model, EngineConfig(n_ctx=256))
