@@ -27,7 +27,6 @@ from . import upstream
 from .budget import LAYER_BUDGETS, Budget, as_option
 from .errors import AhakvError
 from .info import KV_CACHE_TYPES
-from .policies import POLICIES
 
 FORMAT = "ahakv-local chat"
 VERSION = 1
@@ -176,7 +175,7 @@ def _how_to_load(meta: dict, llm) -> str:
         options.append(f"--layer-budgets {layout}")
     if meta.get("cache_cells") is None and kv is not None:  # the full cache's: no budget (--policy full alone is
         options.append("--budget none")  # refused beside a --budget given on the command line)
-    elif policy in POLICIES and policy != "full" and policy != (kv.policy.name if kv is not None else "full"):
+    elif _a_name(policy) and policy != "full" and policy != (kv.policy.name if kv is not None else "full"):
         options.append(f"--policy {policy}")
     kind = meta.get("kv_cache") if isinstance(meta.get("kv_cache"), dict) else {}
     stored = kind.get("type_k") if kind.get("type_k") in KV_CACHE_TYPES else None
@@ -194,6 +193,12 @@ def _how_to_load(meta: dict, llm) -> str:
     if in_bytes and options == [f"--budget {as_option(saved)}"]:
         return f": /budget {as_option(saved)} first, or {opened}"
     return f": {opened}"
+
+
+def _a_name(text: object) -> bool:
+    """Whether a file's policy field reads as a policy's name (a crafted file's text never reaches the error line;
+    the registry is a layer above this module, and the command line refuses a name it does not know)."""
+    return isinstance(text, str) and text.isascii() and text.isidentifier() and len(text) <= 32
 
 
 def _is_saved_chat(path: Path) -> bool:
