@@ -13,7 +13,6 @@ from click.core import ParameterSource
 from . import __version__
 from .budget import DEFAULT_LAYER_BUDGETS, KV_TYPE_AUTO, LAYER_BUDGETS, READINGS
 from .cli_eval import (
-    MAX_THREADS,
     Count,
     Positive,
     gpu_layers,
@@ -26,6 +25,7 @@ from .cli_eval import (
 from .errors import AhakvError
 from .extras import require
 from .info import KV_CACHE_TYPES
+from .native import MAX_THREADS
 from .textfile import decode, read_stream, read_text
 
 BUDGETED_BATCH = 64  # prompt tokens per decode call under a budget: the cache stays within one chunk of it
@@ -240,19 +240,28 @@ def argument_text(text: str, option: str) -> str:
     return decode(text.encode("utf-8", "surrogateescape"), f"the text of {option}")
 
 
+def source(option: str) -> ParameterSource | None:
+    """Where the running command's ``option`` came from: the command line, the environment, its default."""
+    ctx = click.get_current_context(silent=True)
+    return ctx.get_parameter_source(option) if ctx is not None else None
+
+
 def given(option: str) -> bool:
     """Whether the command line or the environment set ``option`` (not its default)."""
-    ctx = click.get_current_context(silent=True)
-    return ctx is not None and ctx.get_parameter_source(option) not in (None, ParameterSource.DEFAULT)
+    return source(option) not in (None, ParameterSource.DEFAULT)
+
+
+def means_none(budget: str) -> bool:
+    """Whether --budget's text asks for no budget (``none``: over AHAKV_BUDGET, the full cache)."""
+    return budget.strip().lower() == "none"
 
 
 def asked_budget(budget: str | None, policy: str) -> str | None:
     """--budget as the command runs with it: ``none`` is no budget, and so is one AHAKV_BUDGET set where the command
     line asks for --policy full (which keeps every token): an environment's budget had no way out but unsetting it."""
-    if budget is not None and budget.strip().lower() == "none":
+    if budget is not None and means_none(budget):
         return None
-    ctx = click.get_current_context(silent=True)
-    if policy == "full" and ctx is not None and ctx.get_parameter_source("budget") is ParameterSource.ENVIRONMENT:
+    if policy == "full" and source("budget") is ParameterSource.ENVIRONMENT:
         return None
     return budget
 
@@ -467,13 +476,14 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type) -> None:
     from .session import SessionSpec
 
     ctx_size = ctx_size or None  # 0: the trained context, as llama.cpp (and generate) take it
-    if budget.strip().lower() == "none":  # (AHAKV_BUDGET=none, set for generate): the full caches alone
-        model_info = read_info(resolve_model(model, progress=True))
-        click.echo(describe(model_info, ctx_size, ubatch_size, None))
-        return
-    budget = Budget.parse(budget)  # one line for a malformed budget, before the model is read
+    # none (AHAKV_BUDGET=none, set for generate): the full caches alone; else one line for a malformed budget, before
+    # the model is read
+    budget = None if means_none(budget) else Budget.parse(budget)
     path = resolve_model(model, progress=True)
     model_info = read_info(path)
+    if budget is None:
+        click.echo(describe(model_info, ctx_size, ubatch_size, None))
+        return
     check_trained_context(budget, model_info.n_ctx_train)  # what generate refuses is not stated as allocated
     if ctx_size is not None and ctx_size > model_info.n_ctx_train:
         raise AhakvError(f"--ctx-size {ctx_size} is past the model's trained context ({model_info.n_ctx_train:,})")

@@ -15,6 +15,7 @@ import click
 from .errors import AhakvError
 from .extras import require
 from .info import KV_CACHE_TYPES
+from .native import MAX_THREADS
 from .textfile import read_text
 
 Count = click.IntRange(min=0)  # click reports a value outside the range in one line, with the option's name
@@ -36,18 +37,16 @@ def eval_rpc_option(f):
     return rpc_option(f, every_layer=True)
 
 
-MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS: past it llama.cpp crashed (-t 100000: a segfault)
-
-
 def threads_option(f):
-    """-t: CPU threads of the engine (default: ``engine.default_threads``, the one reader of AHAKV_THREADS, else
-    every core; on a machine shared with other jobs, 1 avoids the thread barriers' spinning)."""
+    """-t: CPU threads of the engine, also from AHAKV_THREADS (a bad value is click's one line; without either,
+    ``engine.default_threads``: every core; on a machine shared with other jobs, 1 avoids the thread barriers'
+    spinning)."""
     return click.option(
         "-t",
         "--threads",
         type=click.IntRange(1, MAX_THREADS),
         default=None,
-        envvar="AHAKV_THREADS",  # (a bad value is click's one line, as any option's)
+        envvar="AHAKV_THREADS",
         help="CPU threads (default: AHAKV_THREADS, else every core).",
     )(f)
 

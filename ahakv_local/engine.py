@@ -33,7 +33,7 @@ from . import rpc, upstream
 from .budget import CacheLayout
 from .errors import AhakvError
 from .info import KV_TYPES, check_kv_cache_type, check_kv_types, read_info
-from .native import EvictError, TapFlag, lib
+from .native import MAX_THREADS, EvictError, TapFlag, lib
 
 SEQ = 0  # the sequence of an engine made for one (a view has its own)
 
@@ -60,8 +60,8 @@ def default_threads() -> int:
     env = os.environ.get("AHAKV_THREADS", "").strip()
     if not env:
         return os.cpu_count() or 1
-    if not (env.isascii() and env.isdigit() and 0 < int(env) <= 512):  # ggml's GGML_MAX_N_THREADS
-        raise AhakvError(f"AHAKV_THREADS must be a whole number from 1 to 512, not {env!r}")
+    if not (env.isascii() and env.isdigit() and 0 < int(env) <= MAX_THREADS):
+        raise AhakvError(f"AHAKV_THREADS must be a whole number from 1 to {MAX_THREADS}, not {env!r}")
     return int(env)
 
 

@@ -25,7 +25,6 @@ With or without a budget, a model whose GGUF has no chat template chats as a pla
 from __future__ import annotations
 
 import ctypes
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -42,6 +41,7 @@ from .errors import AhakvError
 from .info import check_kv_types, read_info, reading_headers_once
 from .policies import make_policy
 from .session import SessionSpec, guide
+from .textfile import last_paragraph
 
 
 class Stopped(Exception):
@@ -84,13 +84,6 @@ def llama_response_format(response_format: dict) -> dict:
     if not isinstance(schema, dict):
         raise ValueError('response_format of type json_schema needs "json_schema": {"name": ..., "schema": {...}}')
     return {"type": "json_object", "schema": schema}
-
-
-def last_paragraph(text: str) -> str:
-    """The last paragraph of ``text`` with words in it: after its last blank line, whatever ends its lines (a CRLF
-    file's question was its last 24 tokens of document with the question) or the blank line holds."""
-    paragraphs = re.split(r"\n[ \t]*\n", text.replace("\r\n", "\n").replace("\r", "\n"))
-    return next((p for p in reversed(paragraphs) if p.strip()), "")
 
 
 def product_layout(model_path: str | Path, n_gpu_layers: int = 0, rpc_servers: Sequence[str] = ()) -> str:
@@ -208,6 +201,7 @@ class Llama(llama_cpp.Llama):
         self._kv_guide = None  # what the next prompt is read with (set per request)
         self._context_full = False  # the last completion ended because the context was full (``_counted``)
         self._usage = [0, 0]  # the last completion's prompt and completion tokens (``last_usage``)
+        self._sampling = False  # a completion's prompt is read: what is decoded now counts as prompt (``_count``)
         self._chat_question: str | None = None
         if kv_type == KV_TYPE_AUTO and kwargs.get("flash_attn") is False:
             kv_type = "f16"  # a quantized V needs flash attention
@@ -375,7 +369,7 @@ class Llama(llama_cpp.Llama):
         if kv_query is True:  # the question is the last user message, not the template's last paragraph
             users = [m.get("content") for m in messages if m.get("role") == "user"]
             # its parts joined as the chat template renders them (with nothing between)
-            kv_query = (upstream.message_text(users[-1], "") or None) if users else None
+            kv_query = (upstream.message_text(users[-1]) or None) if users else None
         self._chat_question = kv_query
         try:
             return super().create_chat_completion(messages, *args, **kwargs)
@@ -438,23 +432,25 @@ class Llama(llama_cpp.Llama):
         text so far; ``_create_completion`` reports it as "length"."""
         sent = None
         self._sampling = False  # the first send reads the prompt; every decode after it is of sampled tokens
-        while True:
-            try:
-                token = tokens.send(sent)
-            except StopIteration:
-                self._sampling = False
-                return
-            self._sampling = True
-            self._timing["sampled"] += 1
-            if not llama_cpp.llama_vocab_is_eog(vocab, token):  # the completion ends before it
-                self._usage[1] += 1
-            sent = yield token
-            if self.n_tokens + 1 + len(sent or ()) > self.n_ctx():  # the token, and what was sent back with it
-                tokens.close()
-                self._context_full = True
-                if self.token_eos() >= 0:  # (a vocabulary without one: the completion just ends)
-                    yield self.token_eos()
-                return
+        try:
+            while True:
+                try:
+                    token = tokens.send(sent)
+                except StopIteration:
+                    return
+                self._sampling = True
+                self._timing["sampled"] += 1
+                if not llama_cpp.llama_vocab_is_eog(vocab, token):  # the completion ends before it
+                    self._usage[1] += 1
+                sent = yield token
+                if self.n_tokens + 1 + len(sent or ()) > self.n_ctx():  # the token, and what was sent back with it
+                    tokens.close()
+                    self._context_full = True
+                    if self.token_eos() >= 0:  # (a vocabulary without one: the completion just ends)
+                        yield self.token_eos()
+                    return
+        finally:  # also a stream closed early: a direct eval() after it (chat's /read) reads a prompt
+            self._sampling = False
 
     def _needs_rewind(self, tokens: Sequence[int]) -> bool:
         """Whether ``tokens`` fails to extend the whole cached sequence (llama-cpp-python would rewind)."""
@@ -569,7 +565,7 @@ class Llama(llama_cpp.Llama):
     def _count(self, n: int, seconds: float) -> None:
         # a prompt's last piece may be one token (and every piece, at n_batch 1): counted by what is decoded, not by
         # its length ("prompt 0 tok" at --batch-size 1, and a generation rate over a prompt token)
-        kind = "gen" if getattr(self, "_sampling", False) else "prompt"
+        kind = "gen" if self._sampling else "prompt"
         self._timing[f"{kind}_tokens"] += n
         self._timing[f"{kind}_s"] += seconds
 

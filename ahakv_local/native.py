@@ -18,6 +18,9 @@ from .errors import EngineNotPatched
 # must equal LLAMA_AHAKV_ABI_VERSION of the patch series in patches/
 ABI_VERSION = 6
 
+# ggml's GGML_MAX_N_THREADS: more threads than it crashed llama.cpp (-t 100000: a segfault, in a worker bad_alloc)
+MAX_THREADS = 512
+
 BUILD_HINT = "run `ahakv-local build` (add --cuda or --metal for a GPU build) to install the patched engine"
 
 

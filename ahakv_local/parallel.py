@@ -22,6 +22,7 @@ from .engine import Engine
 from .errors import AhakvError
 from .policies import Policy, make_policy
 from .session import SessionSpec, guide
+from .textfile import last_paragraph
 
 TOP_K = 40  # llama-cpp-python's default for completions
 
@@ -246,7 +247,7 @@ def prompt_of(engine: Engine, kind: str, payload, kv_query, default_query) -> tu
         question = users[-1] if users else None
     else:
         tokens, stop = engine.tokenize(payload, add_bos=True, special=True), []
-        question = next((p for p in reversed(payload.split("\n\n")) if p.strip()), None)
+        question = last_paragraph(payload) or None
     query = default_query if kv_query is None else kv_query
     if query in QUESTION_AGNOSTIC:
         return tokens, stop, guide(query, None, engine)

@@ -3,6 +3,7 @@ file may be. A pipe or ``<(command)`` is a file too; what is not text, or has no
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import BinaryIO
 
@@ -41,3 +42,11 @@ def read_text(path: str | Path) -> str:
             return read_stream(f, str(path))
     except OSError as exc:
         raise AhakvError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def last_paragraph(text: str) -> str:
+    """The last paragraph of ``text`` with words in it: after its last blank line, whatever ends its lines (a CRLF
+    file's question was its last 24 tokens of document with the question) or the blank line holds. The question a
+    prompt is read with when none is given (the drop-in, the parallel server)."""
+    paragraphs = re.split(r"\n[ \t]*\n", text.replace("\r\n", "\n").replace("\r", "\n"))
+    return next((p for p in reversed(paragraphs) if p.strip()), "")

@@ -247,13 +247,13 @@ TRANSCRIPT_ROLES = {"user": "User", "assistant": "Assistant"}
 TRANSCRIPT_STOP = ("\nUser:", "\nAssistant:")  # a base model goes on to write the next turns itself
 
 
-def message_text(content, sep: str = "") -> str:
-    """The text of a chat message's content: a string as it is, or the text of OpenAI's content parts joined by
-    ``sep`` (the parts without text, an image's, add nothing)."""
+def message_text(content) -> str:
+    """The text of a chat message's content: a string as it is, or the text of OpenAI's content parts joined as the
+    chat templates render them, with nothing between (the parts without text, an image's, add nothing)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return sep.join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
 
 

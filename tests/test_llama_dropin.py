@@ -547,3 +547,18 @@ def test_a_refused_state_in_an_empty_llama_leaves_it_working(gemma_model):
             b.load_state(state)
         assert b.n_tokens == 0 and b.kv_engine.n_used() == 0
         assert b("Hello", max_tokens=3, temperature=0)["choices"][0]["text"] == expected
+
+
+def test_a_stream_closed_early_leaves_the_next_read_counted_as_prompt(fixture_model):
+    """What is decoded counts as prompt or generation by whether a completion is sampling: a stream closed after its
+    first token must not leave a later direct eval() (chat's /read) counted as generated tokens."""
+    with Llama(str(fixture_model), n_ctx=256, kv_budget=64, verbose=False) as llm:
+        stream = llm("the cat sat on the mat", max_tokens=8, temperature=0, stream=True)
+        next(stream)
+        stream.close()
+        before = llm.kv_stats()
+        tokens = llm.tokenize(b" and the dog", add_bos=False)
+        llm.eval(tokens)
+        after = llm.kv_stats()
+        assert after.prompt_tokens - before.prompt_tokens == len(tokens)
+        assert after.generated_tokens == before.generated_tokens

@@ -467,3 +467,17 @@ def test_clients_that_left_free_their_places_in_the_queue_and_health_says_busy()
         assert runner.health().status_code == 200 and json.loads(runner.health().body)["free_slots"] == 1
 
     asyncio.run(main())
+
+
+def test_a_parallel_completion_is_read_with_the_same_question_as_the_drop_in(fixture_model):
+    """The parallel server found a completion's default question with a twin of the drop-in's rule (the text after
+    its last "\\n\\n"): a CRLF prompt's question was the document's tail. Both now take ``last_paragraph``."""
+    from ahakv_local.parallel import prompt_of
+    from ahakv_local.textfile import last_paragraph
+
+    with Engine(fixture_model, EngineConfig(n_ctx=256)) as e:
+        for blank in ("\n\n", "\r\n\r\n", "\n \n"):
+            payload = f"Some document text.{blank}What is this?"
+            assert last_paragraph(payload) == "What is this?"
+            _, _, question = prompt_of(e, "completion", payload, None, True)
+            assert list(question) == e.tokenize("What is this?", add_bos=False), repr(blank)
