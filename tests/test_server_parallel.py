@@ -349,18 +349,54 @@ def test_parallel_needs_a_cell_budget_and_f16(fixture_model):
 
 # -- Gemma -----------------------------------------------------------------------------------------------------
 
-# the float-order drift of Gemma's prompt logits between a sequence alone and among others: 0.73 measured in an earlier
-# session, 0.938 in this one (same test); a sequence reading another's cells would move them by several units
-GEMMA_DRIFT = 2.0
+
+def test_gemma_a_sequence_is_bit_identical_whatever_its_neighbour_reads(gemma_model, license_text):
+    """Isolation on Gemma 3 (a sliding and a full cache per sequence, quantized kernels), exactly: sequence 0 (AhaKV,
+    64 cells, evicting) is read and decoded beside sequence 1, which reads one text in the first run and another in
+    the second. Sequence 1 runs StreamingLLM, whose evictions depend on positions only, so both runs lay every cell
+    out the same way: sequence 0's cells, its row in each batch and the order of every float sum are the same, and
+    the KQ mask gives the neighbour's cells exp(-inf) = 0 weight, which adds exact zeros. So sequence 0's logits,
+    live positions and cells are the same to the bit; no tolerance is needed. (A neighbour's ten cells copied into
+    sequence 0 move its logits by 2.8 and change what it evicts: a scratch check with llama_memory_seq_cp.) The
+    tokens are fed from the texts, not sampled, so neither run depends on the other's choices."""
+    words = license_text.split()
+    steps = 40
+
+    def run(neighbour: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        with Engine(gemma_model, EngineConfig(n_ctx=256, n_batch=64, n_ubatch=16, n_seq=2, n_threads=2)) as e:
+            mine = e.tokenize(" ".join(words[:400]))[: 120 + steps]
+            theirs = e.tokenize(" ".join(words[neighbour : neighbour + 400]))[: 100 + steps]
+            ctls = [
+                KVController(
+                    e.view(seq), make_policy(policy), ControllerConfig(Budget.parse(cells), 4, 8, 4, observe_steps=1)
+                )
+                for seq, (policy, cells) in enumerate([("ahakv", 64), ("streaming", 48)])
+            ]
+            rows = [ctls[0].prefill(mine[:120])]
+            ctls[1].prefill(theirs[:100])
+            for i in range(steps):
+                logits = step_batch(ctls, [mine[120 + i], theirs[100 + i]])
+                rows.append(logits[0])
+                assert ctls[0].live.size <= 64 and ctls[1].live.size <= 48
+            assert ctls[0].stats.evicted > 0  # it chose what to keep, by content
+            return np.stack(rows), logits[1], ctls[0].live.copy(), ctls[0].engine.cell_positions()
+
+    first, second = run(1000), run(3000)
+    assert not np.array_equal(first[1], second[1])  # the neighbours did read different texts
+    np.testing.assert_array_equal(first[0], second[0])
+    np.testing.assert_array_equal(first[2], second[2])
+    np.testing.assert_array_equal(first[3], second[3])
 
 
 def test_gemma_sequences_hold_their_budgets_and_agree_where_the_choice_is_clear(gemma_model, license_text):
     """Gemma 3 270M, 8 requests over 4 slots of one context with different budgets. Cells at offsets that are not a
-    multiple of 8 change the float summation order of Gemma's quantized kernels, which moves logits (up to 0.73
-    measured in an earlier run), so whole answers may differ from the one-at-a-time answers where two tokens
-    are close. Asserted: every sequence holds its budget, every answer is non-empty, the first tokens'
-    logits move by less than GEMMA_DRIFT, and the first token equals the alone-run's wherever the alone-run's
-    margin between its top two logits exceeds twice the drift measured in this run (3/8 did here)."""
+    multiple of 8 change the float summation order of Gemma's quantized kernels, which moves logits (0.73 and 0.94
+    in two runs), so whole answers may differ from the one-at-a-time answers where two tokens are close. How far
+    is no bound of the numerics (a quantized activation that flips moves the next layer's input by a whole step),
+    so it is measured here, not asserted; that no sequence reads another's cells is asserted exactly, to the bit,
+    by the test above. Asserted: every sequence holds its budget, every answer is non-empty, and the first token
+    equals the alone-run's wherever the alone-run's margin between its top two logits exceeds twice the measured
+    drift (each logit moved by at most the drift, so the order of those two cannot change)."""
     budgets = [48, 64, 80, 96, 48, 64, 80, 96]
     spec = SessionSpec.bounded("ahakv", 96, n_recent=16, reading="plain")
     cells = SequencePool.context_cells(spec.budget, 4, 64, 0)
@@ -402,7 +438,6 @@ def test_gemma_sequences_hold_their_budgets_and_agree_where_the_choice_is_clear(
     alone, alone_first = run(False)
     both, both_first = run(True)
     drift = max(float(np.abs(a - b).max()) for a, b in zip(alone_first, both_first, strict=True))
-    assert drift < GEMMA_DRIFT, drift
     clear = 0
     for a, b, logits in zip(alone, both, alone_first, strict=True):
         assert a and b  # non-empty answers
@@ -410,7 +445,6 @@ def test_gemma_sequences_hold_their_budgets_and_agree_where_the_choice_is_clear(
         if top2[1] - top2[0] > 2 * drift:  # each logit moved by <= drift: their difference by <= 2 drift
             clear += 1
             assert a[0] == b[0]
-    assert clear >= 1  # the check above ran
     print(f"gemma: first-token drift {drift:.3f}, {clear}/8 clear first choices, "
           f"{sum(a == b for a, b in zip(alone, both, strict=True))}/8 whole answers equal")  # fmt: skip
 
