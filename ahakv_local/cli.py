@@ -125,6 +125,46 @@ def check_query_reading(engine: dict) -> None:
         raise AhakvError(f"--query needs a policy that reads with a question ({readers}), not {engine['policy']}")
 
 
+class PolicyOption(click.Option):
+    """--policy, whose help lists the registry's names; read only when help is shown (importing the
+    policies pulls numpy, which a command like `info` does not need)."""
+
+    def get_help_record(self, ctx: click.Context):
+        from .policies import POLICIES
+
+        self.help = "Eviction policy: " + ", ".join(POLICIES) + "."
+        return super().get_help_record(ctx)
+
+
+# the options that shape what a budget allocates: generate's, chat's and serve's (engine_options), and info's, which
+# states what they would allocate with the same options and variables
+policy_option = click.option("--policy", cls=PolicyOption, default="ahakv", show_default=True, envvar="AHAKV_POLICY")
+sinks_option = click.option(
+    "--sinks", type=Count, default=4, show_default=True, envvar="AHAKV_SINKS", help="Protected first tokens."
+)
+recent_option = click.option(
+    "--recent", type=Count, default=32, show_default=True, envvar="AHAKV_RECENT", help="Protected last tokens."
+)
+evict_every_option = click.option(
+    "--evict-every",
+    type=Positive,
+    default=None,
+    envvar="AHAKV_EVICT_EVERY",
+    help="Decode steps between evictions (default 32, less for small budgets, 1 for ratio and auto ones).",
+)
+reading_option = click.option(
+    "--reading",
+    type=click.Choice(READINGS),
+    default="query",
+    show_default=True,
+    envvar="AHAKV_READING",
+    help="How a prompt longer than the budget is read: guided by its question (ahakv, snapkv, tova), "
+    "by the policy alone, or question-agnostic: by reconstruction (about 2x the prompt time) or by each "
+    "phrase's surprisal (the logits of every prompt token).",
+)
+n_gpu_layers_default = n_gpu_layers_option("Layers to offload to the GPU (-1: all).", offload_by_default=True)
+
+
 def engine_options(f):
     """Options shared by the commands that load a model (llama.cpp's names, mirrored by AHAKV_* variables)."""
     options = [
@@ -158,13 +198,9 @@ def engine_options(f):
             "layer keeping its own tokens (pyramid: lower layers keep more, as PyramidKV; adaptive: layers whose "
             "attention spreads wider keep more, re-decided every 256 tokens).",
         ),
-        click.option("--policy", cls=PolicyOption, default="ahakv", show_default=True, envvar="AHAKV_POLICY"),
-        click.option(
-            "--sinks", type=Count, default=4, show_default=True, envvar="AHAKV_SINKS", help="Protected first tokens."
-        ),
-        click.option(
-            "--recent", type=Count, default=32, show_default=True, envvar="AHAKV_RECENT", help="Protected last tokens."
-        ),
+        policy_option,
+        sinks_option,
+        recent_option,
         click.option(
             "--error-tol",
             type=click.FloatRange(min=0, min_open=True, max=1),
@@ -173,13 +209,7 @@ def engine_options(f):
             envvar="AHAKV_ERROR_TOL",
             help="Auto budget: tolerated predicted relative output change.",
         ),
-        click.option(
-            "--evict-every",
-            type=Positive,
-            default=None,
-            envvar="AHAKV_EVICT_EVERY",
-            help="Decode steps between evictions (default 32, less for small budgets, 1 for ratio and auto ones).",
-        ),
+        evict_every_option,
         click.option(
             "--observe-steps",
             type=Count,
@@ -189,7 +219,7 @@ def engine_options(f):
             help="Steps before each eviction whose full statistics the policy reads (0 = every step).",
         ),
         threads_option,
-        n_gpu_layers_option("Layers to offload to the GPU (-1: all).", offload_by_default=True),
+        n_gpu_layers_default,
         rpc_option,
         click.option(
             "--batch-size",
@@ -198,31 +228,11 @@ def engine_options(f):
             help="Prompt tokens per decode call (default: 64 with a budget, to keep the cells near it; 512).",
         ),
         kv_type_option,
-        click.option(
-            "--reading",
-            type=click.Choice(READINGS),
-            default="query",
-            show_default=True,
-            envvar="AHAKV_READING",
-            help="How a prompt longer than the budget is read: guided by its question (ahakv, snapkv, tova), "
-            "by the policy alone, or question-agnostic: by reconstruction (about 2x the prompt time) or by each "
-            "phrase's surprisal (the logits of every prompt token).",
-        ),
+        reading_option,
     ]
     for option in reversed(options):
         f = option(f)
     return f
-
-
-class PolicyOption(click.Option):
-    """--policy, whose help lists the registry's names; read only when help is shown (importing the
-    policies pulls numpy, which a command like `info` does not need)."""
-
-    def get_help_record(self, ctx: click.Context):
-        from .policies import POLICIES
-
-        self.help = "Eviction policy: " + ", ".join(POLICIES) + "."
-        return super().get_help_record(ctx)
 
 
 def check_model(path, batch_size: int | None) -> None:
@@ -467,42 +477,63 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
     help="The layout whose allocation at --budget to state [default: generate's for the model].",
 )
 @kv_type_option
-def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type) -> None:
+@policy_option
+@sinks_option
+@recent_option
+@evict_every_option
+@reading_option
+@n_gpu_layers_default
+@rpc_option
+def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, **engine) -> None:
     """Architecture, heads, sliding window, trained context and KV bytes of MODEL, per KV cache for
-    swa_full on (llama-cpp-python's default) and off (llama.cpp's own tools: the sliding cache trimmed)."""
+    swa_full on (llama-cpp-python's default) and off (llama.cpp's own tools: the sliding cache trimmed); with a
+    budget, what generate allocates for it with the same options."""
     from .budget import Budget, check_trained_context, default_layer_budgets
     from .info import BudgetAllocation, describe, read_info
     from .models import resolve_model
     from .session import SessionSpec
 
     ctx_size = ctx_size or None  # 0: the trained context, as llama.cpp (and generate) take it
-    # none (AHAKV_BUDGET=none, set for generate): the full caches alone; else one line for a malformed budget, before
-    # the model is read
-    budget = None if means_none(budget) else Budget.parse(budget)
+    # none (or --policy full over AHAKV_BUDGET, as generate takes them): the full caches alone; else one line for a
+    # malformed budget or policy, before the model is read
+    budget = asked_budget(budget, engine["policy"])
+    budget = None if budget is None else Budget.parse(budget)
+    if budget is not None:
+        from .policies import make_policy
+
+        make_policy(engine["policy"])
+    rpc = parse_rpc(engine["rpc"])
     path = resolve_model(model, progress=True)
     model_info = read_info(path)
     if budget is None:
         click.echo(describe(model_info, ctx_size, ubatch_size, None))
         return
     check_trained_context(budget, model_info.n_ctx_train)  # what generate refuses is not stated as allocated
-    if ctx_size is not None and ctx_size > model_info.n_ctx_train:
-        raise AhakvError(f"--ctx-size {ctx_size} is past the model's trained context ({model_info.n_ctx_train:,})")
-    # what generate and serve allocate for that budget: their chunks, a question's room, their K/V type
+    # what generate and serve allocate for that budget (Llama.__init__'s plan: their chunk, a question's room, their
+    # K/V type, the layout for where their layers run)
     layer_budgets = layer_budgets or default_layer_budgets(
-        model_info.n_layer_swa, model_info.n_layer, offloads_by_default()
+        model_info.n_layer_swa, model_info.n_layer, offloads_by_default(engine["n_gpu_layers"], rpc)
     )
-    context = ctx_size or model_info.n_ctx_train
-    # laid out as the drop-in lays it out for generate -c CONTEXT (Llama.__init__): the K/V type decided for that
-    # many positions; a cell or byte budget for positions up to the trained context, a ratio or auto in -c cells
-    longest = model_info.n_ctx_train if budget.mode in ("cells", "bytes") else context
-    spec = SessionSpec.bounded("ahakv", budget, layer_budgets=layer_budgets, reading="query", kv_type=kv_type)
-    spec = spec.on_model(path, BUDGETED_BATCH, context)
-    spec.check_floor_on(path, BUDGETED_BATCH, longest)
-    if layer_budgets == "shared" and budget.mode in ("ratio", "auto"):  # llama-cpp-python's own cache of -c cells
+    context = min(ctx_size or model_info.n_ctx_train, model_info.n_ctx_train)  # (no position past it: plan_on)
+    spec = SessionSpec.bounded(
+        engine["policy"],
+        budget,
+        n_sink=engine["sinks"],
+        n_recent=engine["recent"],
+        evict_every=engine["evict_every"],
+        layer_budgets=layer_budgets,
+        reading=engine["reading"],
+        kv_type=kv_type,
+    )
+    plan = spec.plan_on(path, context, BUDGETED_BATCH, BUDGETED_BATCH)
+    plan.spec.check_floor_on(path, plan.chunk, plan.longest)
+    if plan.allocation is None:  # a shared ratio or auto budget: llama.cpp's own cache of -c cells
         cells = (model_info.caches(context, swa_full=True)[0].cells,) * model_info.n_layer
     else:
-        cells = spec.allocation_on(path, BUDGETED_BATCH, longest).layer_cells(model_info.layer_sliding)
-    at = BudgetAllocation(budget, layer_budgets, cells, BUDGETED_BATCH, spec.kv_type)
+        cells = plan.layer_cells
+    full = [c for c, sliding in zip(cells, model_info.layer_sliding, strict=True) if not sliding]
+    plan.spec.check_fit_on(path, plan, min(full or cells))
+    at = BudgetAllocation(budget, layer_budgets, cells, plan.chunk, plan.spec.kv_type)
     click.echo(describe(model_info, ctx_size, ubatch_size, at))
 
 

@@ -79,9 +79,13 @@ def gpu_layers(n_gpu_layers: int | None, rpc: tuple[str, ...] | None = None) -> 
     return -1 if offload_target(rpc or ()) else 0
 
 
-def offloads_by_default() -> bool:
-    """Whether chat, generate and serve put the layers on a GPU when not told (``gpu_layers``), as ``info`` states
-    their layout; False where the engine does not load (``info`` reads GGUF headers only)."""
+def offloads_by_default(n_gpu_layers: int | None = None, rpc: tuple[str, ...] = ()) -> bool:
+    """Whether chat, generate and serve with these -ngl and --rpc put layers off the CPU (``gpu_layers``), as ``info``
+    states their layout; without workers, False where the engine does not load (``info`` reads GGUF headers only)."""
+    if n_gpu_layers == 0:
+        return False
+    if rpc:
+        return True
     try:
         return gpu_layers(None) != 0
     except (ImportError, OSError, AttributeError):  # no engine, or a libggml without the device registry
@@ -288,9 +292,11 @@ def eval_ppl(
     rpc_servers = parse_rpc(rpc)
     out = _out(out_dir)
     path = _model(model)
-    ids = text_tokens(path, read_text(text_file))[:tokens]
-    if len(ids) <= prefix + 1:
-        raise AhakvError(f"{text_file} has only {len(ids)} tokens; need more than --prefix {prefix}")
+    ids = text_tokens(path, read_text(text_file))
+    if min(len(ids), tokens) <= prefix + 1:
+        what = f"--tokens {tokens}" if tokens < len(ids) else f"{text_file} has only {len(ids)} tokens"
+        raise AhakvError(f"{what}; need more than --prefix {prefix} + 1")
+    ids = ids[:tokens]
     info = read_info(path)
     if info.n_ctx_train and len(ids) > info.n_ctx_train:  # (it failed there, after the full cache's whole run)
         raise AhakvError(

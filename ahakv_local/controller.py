@@ -128,18 +128,25 @@ class ControllerStats:
         return self.cells_used / self.tokens_seen if self.tokens_seen else 1.0
 
 
+def protected_floor(cfg: ControllerConfig) -> tuple[int, str, str]:
+    """The positions no eviction may take (sinks, a pinned span past them, the recent ones), and how a refusal names
+    them with the steps between evictions: (count, "sinks + recent + newest", "4 + 32 + 1")."""
+    pinned = 0 if cfg.pinned is None else max(0, cfg.pinned[1] - max(cfg.pinned[0], cfg.n_sink))  # past the sinks
+    period = "newest" if cfg.evict_every == 1 else "one eviction period"
+    protected = f"sinks + {'pinned + ' if pinned else ''}recent + {period}"
+    parts = f"{cfg.n_sink} + {f'{pinned} + ' if pinned else ''}{cfg.n_recent} + {cfg.evict_every}"
+    return cfg.n_sink + pinned + cfg.n_recent, protected, parts
+
+
 def check_floor(cfg: ControllerConfig, layout: CacheLayout, allocation: Allocation, budget: Budget) -> None:
     """Refuse a budget whose ``allocation`` leaves a group too few cells for the protected positions (sinks, a pinned
     span such as chat's system prompt, the recent ones) and the steps between evictions (a sliding group: for those
     inside its window). A controller checks its own (``KVController.check_floor``), a spec one before any engine
     opens (``SessionSpec.check_floor_on``)."""
-    pinned = 0 if cfg.pinned is None else max(0, cfg.pinned[1] - max(cfg.pinned[0], cfg.n_sink))  # past the sinks
-    period = "newest" if cfg.evict_every == 1 else "one eviction period"
-    protected = f"sinks + {'pinned + ' if pinned else ''}recent + {period}"
-    parts = f"{cfg.n_sink} + {f'{pinned} + ' if pinned else ''}{cfg.n_recent} + {cfg.evict_every}"
+    keep, protected, parts = protected_floor(cfg)
     for i, held in enumerate(allocation.groups):
         window = layout.window if allocation.group_slides(i) else 0
-        need = min(cfg.n_sink + pinned + cfg.n_recent + 1, window or np.inf) + cfg.evict_every - 1
+        need = min(keep + 1, window or np.inf) + cfg.evict_every - 1
         if held.mode != "cells" or held.value >= need:
             continue
         if budget.mode == "cells" and not window:
@@ -148,6 +155,36 @@ def check_floor(cfg: ControllerConfig, layout: CacheLayout, allocation: Allocati
         raise AhakvError(
             f"budget {budget} keeps {int(held.value)} cells of the {where}: fewer than {protected} ({parts})"
         )
+
+
+def fit_to_cells(budget: Budget, cells: int, chunk: int, cfg: ControllerConfig, reach: int) -> Budget:
+    """``budget`` as caches of ``cells`` (the smallest a full-attention layer reads), read ``chunk`` tokens at a time,
+    can hold it for positions up to ``reach``: a ratio of the tokens seen or ``auto`` (which keeps at least
+    ``min_ratio`` of them), set on caches sized for a cell budget (chat's ``/budget 50%``, a server request's
+    ``kv_budget``) or for fewer positions than a sequence may reach (the drop-in's n_ctx cells, positions to the
+    trained context), is capped at the cells they hold between evictions. Uncapped it grew with the conversation,
+    or the document, until the cache was full, and every message (the rest of the document) after that failed.
+    Refused where what no eviction takes and a chunk do not fit at all (``KVController.fitted``; ``info``)."""
+    if budget.mode not in ("ratio", "auto"):
+        return budget
+    if cells >= cells_for(replace(budget, cap=None), chunk, reach, cfg.room):
+        return budget  # caches sized for every position the ratio can keep
+    held = int(holding_of(cells, chunk, cfg.room).value)
+    if held < 1:  # (a cap below one cell read "auto (at most -1 cells)" in the refusal that followed)
+        guided = " and a guided reading's room" if cfg.room else ""
+        raise AhakvError(
+            f"budget {budget} keeps nothing in caches of {cells} cells: they hold only one prompt chunk of "
+            f"{chunk}, the newest token{guided}: give the context more cells"
+        )
+    keep, protected, parts = protected_floor(cfg)
+    if cells < keep + max(chunk, cfg.evict_every):
+        # what no eviction takes and a prompt chunk (or the steps between evictions) overflow the caches: every read
+        # of a long text failed with "the KV cache is full" (-c 30 with a 25% budget)
+        raise AhakvError(
+            f"budget {budget} cannot be held in caches of {cells} cells: {protected} ({parts}) and a prompt chunk "
+            f"of {chunk} do not fit: give the context more cells"
+        )
+    return replace(budget, cap=held if budget.cap is None else min(budget.cap, held))
 
 
 class KVController:
@@ -495,17 +532,26 @@ class KVController:
         """Refuse a budget that leaves a group too few cells for its protected positions (``check_floor``)."""
         check_floor(self.config, self.engine.cache_layout(), self.allocation(budget), budget)
 
-    def check_budget(self, budget: Budget, policy: Policy | None = None) -> None:
+    def check_budget(self, budget: Budget, policy: Policy | None = None, new_sequence: bool = False) -> None:
         """Every check a budget must pass before it is used with ``policy`` (default: the current one):
         the layout on the layer groups, the floor, the allocated cells, and an error model for 'auto'.
         Raises AhakvError; changes nothing. Checked with the eviction period the budget takes (``_period_for``): a
-        server request's 64 cells were refused for the server's period of 32, or for whatever its slot last ran."""
-        every = self.config.evict_every
+        server request's 64 cells were refused for the server's period of 32, or for whatever its slot last ran.
+        ``new_sequence``: for a sequence read from the start (a server request), from even layer shares in the caches
+        ``truncate(0)`` gives it, not the shares the last sequence drifted to (a request's 320 cells were refused
+        after a long request and accepted after a short one)."""
+        every, weights, sizes = self.config.evict_every, None, self._resize_to
         self.config.evict_every = self._period_for(budget)
+        if new_sequence and self.shares is not None:
+            weights = self.shares.weights.copy()
+            self.shares.weights[:] = 1.0
+            self._resize_to = tuple(self.allocation(self.config.budget).cache_cells)
         try:
             self._check_budget(budget, policy or self.policy)
         finally:
-            self.config.evict_every = every
+            self.config.evict_every, self._resize_to = every, sizes
+            if weights is not None:
+                self.shares.weights[:] = weights
 
     def _check_budget(self, budget: Budget, policy: Policy) -> None:
         if policy.evicts and not budget.evicts:
@@ -527,32 +573,16 @@ class KVController:
             )
 
     def _full_cache_cells(self) -> int:
-        """The cells of the smallest cache a full-attention layer reads (what a budget in cells is held in), from the
-        engine alone: ``check_budget`` runs before the groups exist."""
+        """The cells of the smallest cache a full-attention layer reads (what a budget in cells is held in) as the next
+        decode will have them (``_sizes``), from the engine alone: ``check_budget`` runs before the groups exist."""
         e = self.engine
-        return min([e.cache_cells(c) for c in e.caches if not e.cache_sliding(c)] or [e.n_cells()])
+        full = [n for c, n in zip(e.caches, self._sizes(), strict=True) if not e.cache_sliding(c)]
+        return min(full or [e.n_cells()])
 
     def fitted(self, budget: Budget) -> Budget:
-        """``budget`` as the caches in place can hold it: a ratio of the tokens seen or ``auto`` (which keeps at least
-        ``min_ratio`` of them), set on caches sized for a cell budget (chat's ``/budget 50%``, a server request's
-        ``kv_budget``) or for fewer positions than a sequence may reach (the drop-in's n_ctx cells, positions to the
-        trained context), is capped at the cells the smallest full-attention cache holds between evictions.
-        Uncapped it grew with the conversation, or the document, until the cache was full, and every message (the
-        rest of the document) after that failed."""
-        if budget.mode not in ("ratio", "auto"):
-            return budget
-        e, room = self.engine, self.config.room
-        cells = self._full_cache_cells()
-        if cells >= cells_for(replace(budget, cap=None), e.config.n_ubatch, self.reach, room):
-            return budget  # caches sized for every position the ratio can keep
-        held = int(holding_of(cells, e.config.n_ubatch, room).value)
-        if held < 1:  # (a cap below one cell read "auto (at most -1 cells)" in the refusal that followed)
-            guided = " and a guided reading's room" if room else ""
-            raise AhakvError(
-                f"budget {budget} keeps nothing in caches of {cells} cells: they hold only one prompt chunk of "
-                f"{e.config.n_ubatch}, the newest token{guided}: give the context more cells"
-            )
-        return replace(budget, cap=held if budget.cap is None else min(budget.cap, held))
+        """``budget`` as the caches in place can hold it (``fit_to_cells``: a ratio or auto budget capped at what the
+        smallest full-attention cache holds between evictions)."""
+        return fit_to_cells(budget, self._full_cache_cells(), self.engine.config.n_ubatch, self.config, self.reach)
 
     def set_budget(self, budget: Budget, resize: bool = False) -> int:
         """Check, apply and enforce a new budget now (``fitted`` to the caches); returns how many positions were

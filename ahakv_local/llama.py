@@ -216,8 +216,6 @@ class Llama(llama_cpp.Llama):
             return
 
         budget = Budget.parse(kv_budget, min_ratio=kv_min_ratio, max_ratio=kv_max_ratio, error_tol=kv_error_tol)
-        if n_ctx == 0:  # llama.cpp's "the trained context" (below, n_batch would be cut to 0 for a ratio budget)
-            n_ctx = read_info(Path(model_path)).n_ctx_train
         # the reading its cells leave room for: a chat over documents (kv_reuse_compressed) reads them
         # question-agnostically (/read), which needs a reconstruction pass's room, more than a question's
         reading = "query" if kv_query is True else kv_query or "plain"
@@ -240,40 +238,17 @@ class Llama(llama_cpp.Llama):
         )
         if kwargs.get("logits_all"):
             raise AhakvError("logits_all keeps a row of logits per position; it cannot be combined with kv_budget")
-        if budget.mode in ("ratio", "auto"):
-            # laid out in n_ctx cells, which also take a prompt chunk and a question's room: a chunk of n_ctx (512
-            # and 512 by default) left a 25% budget no cell (it kept the 36 protected positions, 4% of 948 tokens);
-            # a quarter of them leaves it three quarters
-            n_batch = min(n_batch, max(1, n_ctx // 4))
-        elif budget.mode == "bytes":
-            n_batch = min(n_batch, n_ctx)
-        chunk = min(kwargs.get("n_ubatch", 512), n_batch)
-        spec = spec.on_model(model_path, chunk, n_ctx)  # kv_type "auto": decided for n_ctx positions
+        plan = spec.plan_on(model_path, n_ctx, n_batch, kwargs.get("n_ubatch", 512))
+        spec, n_batch = plan.spec, plan.n_batch
         if kv_type is not None:
-            self._use_kv_type(model_path, spec.kv_type, kwargs)
-        cells = n_ctx  # a shared ratio or auto budget: the caller's n_ctx bounds the cells
-        layer_cells: tuple[int, ...] = ()
-        allocation = None
-        # the longest sequence the caches are laid out for: under a cell or byte budget positions run to the trained
-        # context (set_position_bound below), and a full-attention layer's share may grow toward it (at n_ctx, 512
-        # by default, adaptive capped a budget of 1,024 cells at 543); a ratio, auto or no budget, at n_ctx
-        longest = n_ctx
-        if budget.mode in ("bytes", "cells"):
-            longest = max(n_ctx, read_info(Path(model_path)).n_ctx_train)
-        if budget.mode in ("bytes", "cells") or kv_layer_budgets != "shared":
-            # every cache sized exactly as the budget is laid out on the layer groups (budget.allocate), not padded
-            # to 256 cells: no cell past them is allocated or scanned by attention once evictions scatter the live
-            # ones over the buffer
-            allocation = spec.allocation_on(model_path, chunk, longest)
-            sizes = allocation.cache_cells
-            cells = max(sizes)
-            layer_cells = allocation.layer_cells(read_info(Path(model_path)).layer_sliding)
-            kwargs.setdefault("swa_full", not sizes[1])
-        check_cells(model_path, cells, budget, layer_cells, spec.kv_type)  # (before the caches are set: a refusal
-        try:  # left them pending, and the next model of this thread got them)
-            if allocation is not None:
-                set_next_caches(allocation.cache_cells, allocation.layer_groups)  # for the context upstream makes next
-            self._load(model_path, n_ctx=cells, n_batch=n_batch, **kwargs)
+            kwargs.update(kv_type_params(spec.kv_type, kwargs.get("flash_attn")))
+        if plan.allocation is not None:
+            kwargs.setdefault("swa_full", not plan.allocation.cache_cells[1])
+        check_cells(model_path, plan.cells, budget, plan.layer_cells, spec.kv_type)  # (before the caches are set: a
+        try:  # refusal left them pending, and the next model of this thread got them)
+            if plan.allocation is not None:  # for the context upstream makes next
+                set_next_caches(plan.allocation.cache_cells, plan.allocation.layer_groups)
+            self._load(model_path, n_ctx=plan.cells, n_batch=n_batch, **kwargs)
         finally:
             clear_next_caches()
 
@@ -281,7 +256,7 @@ class Llama(llama_cpp.Llama):
         self._kv_engine = engine
         # as the caches were laid out (allocation_on above); positions, not cells, bound a sequence now: the trained
         # context (a ratio or auto budget laid out in n_ctx cells is capped at what they hold: KVController.fitted)
-        self._kv = spec.controller(engine, longest, positions=engine.n_ctx_train)
+        self._kv = spec.controller(engine, plan.longest, positions=engine.n_ctx_train)
         self._kv_reuse_compressed = kv_reuse_compressed
         upstream.set_position_bound(self, engine.n_ctx_train)
 

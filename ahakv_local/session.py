@@ -32,10 +32,10 @@ from .budget import (
     guide_room,
     kv_type_for,
 )
-from .controller import ControllerConfig, KVController, Reconstruct, Surprisal, check_floor
+from .controller import ControllerConfig, KVController, Reconstruct, Surprisal, check_floor, fit_to_cells
 from .engine import Engine, EngineConfig, kv_type_config
 from .errors import AhakvError
-from .info import check_kv_cache_type, read_info
+from .info import check_kv_cache_type, check_kv_types, read_info
 from .policies import Policy, make_policy
 
 # what the reconstruction pass reads behind each chunk before the chunk itself again (KVzip's repeat prompt)
@@ -162,6 +162,46 @@ class SessionSpec:
             positions=positions,
         )
 
+    def plan_on(self, model: str | Path, n_ctx: int, n_batch: int, n_ubatch: int) -> CachePlan:
+        """How the drop-in lays this spec out on ``model`` for ``Llama(n_ctx=, n_batch=, n_ubatch=)``, before
+        llama.cpp allocates anything: the one computation behind what ``Llama.__init__`` opens and what ``info``
+        states. Refuses K/V types the model's heads cannot be stored in (llama.cpp would abort)."""
+        info = read_info(Path(model))
+        # 0: llama.cpp's "the trained context"; past it no position is reached under a budget (the drop-in bounds
+        # positions by it), so a ratio laid out in -c 999999 cells allocated 1,000,063 of them (244 MiB on a 0.4 MiB
+        # model), and auto picked its K/V type for positions that never come
+        n_ctx = min(n_ctx or info.n_ctx_train, info.n_ctx_train)
+        mode = self.budget.mode
+        if mode in ("ratio", "auto"):
+            # laid out in n_ctx cells, which also take a prompt chunk and a question's room: a chunk of n_ctx (512
+            # and 512 by default) left a 25% budget no cell (it kept the 36 protected positions, 4% of 948 tokens);
+            # a quarter of them leaves it three quarters
+            n_batch = min(n_batch, max(1, n_ctx // 4))
+        elif mode == "bytes":
+            n_batch = min(n_batch, n_ctx)
+        chunk = min(n_ubatch, n_batch)
+        spec = self.on_model(model, chunk, n_ctx)  # kv_type "auto": decided for n_ctx positions
+        check_kv_types(info, spec.kv_type, spec.kv_type)
+        # the longest sequence the caches are laid out for: under a cell or byte budget positions run to the trained
+        # context, and a full-attention layer's share may grow toward it (at n_ctx, 512 by default, adaptive capped a
+        # budget of 1,024 cells at 543); a ratio or auto budget at n_ctx
+        longest = max(n_ctx, info.n_ctx_train) if mode in ("bytes", "cells") else n_ctx
+        if mode not in ("bytes", "cells") and spec.layer_budgets == "shared":
+            return CachePlan(spec, n_batch, chunk, n_ctx, longest, None, ())  # every layer n_ctx cells, as upstream
+        # every cache sized exactly as the budget is laid out on the layer groups (budget.allocate), not padded to
+        # 256 cells: no cell past them is allocated or scanned by attention once evictions scatter the live ones
+        allocation = spec.allocation_on(model, chunk, longest)
+        layer_cells = allocation.layer_cells(info.layer_sliding)
+        return CachePlan(spec, n_batch, chunk, max(allocation.cache_cells), longest, allocation, layer_cells)
+
+    def check_fit_on(self, model: str | Path, plan: CachePlan, cells: int) -> None:
+        """Refuse, before any engine opens, what the drop-in's controller refuses on ``plan``'s caches, whose smallest
+        full-attention one holds ``cells``: a ratio or auto budget whose protected positions and chunk do not fit
+        (``fit_to_cells``; positions run to the trained context, as the drop-in lets them)."""
+        trained = read_info(Path(model)).n_ctx_train
+        config = self.config(model_layout(Path(model), self.kv_type), plan.chunk, plan.longest, trained)
+        fit_to_cells(self.budget, cells, plan.chunk, config, max(plan.longest, trained))
+
     def check_floor_on(self, model: str | Path, chunk: int, longest: int) -> None:
         """Refuse, before any engine opens, a budget that leaves a layer group of ``model`` too few cells for its
         protected positions and eviction period (what the controller would refuse when it opens: a long run of
@@ -177,6 +217,19 @@ class SessionSpec:
         ``positions`` (0: ``longest``; a ratio budget is then capped at what the caches hold: ``fitted``)."""
         config = self.config(engine.cache_layout(), engine.config.n_ubatch, longest, positions)
         return KVController(engine, self.make_policy(), config)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """A spec laid out on a model for the drop-in (``SessionSpec.plan_on``)."""
+
+    spec: SessionSpec  # its kv_type decided ("auto" no more)
+    n_batch: int  # prompt tokens per decode call
+    chunk: int  # tokens per graph evaluation
+    cells: int  # the context llama.cpp is asked for: the largest cache's cells
+    longest: int  # the longest sequence the caches are laid out for
+    allocation: Allocation | None  # None: a shared ratio or auto budget, llama.cpp's own n_ctx cells in every layer
+    layer_cells: tuple[int, ...]  # each layer's cells where the allocation laid them out
 
 
 class BoundedSession:

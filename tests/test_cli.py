@@ -186,16 +186,25 @@ def test_info_without_a_sliding_window_has_one_baseline(fixture_model):
 
 
 @pytest.mark.parametrize(
-    "budget, message",
+    "args, env, message",
     [
-        ("5000", r"error: budget 5000 cells exceeds the model's trained context of 4096 positions"),
-        ("30", r"error: budget 30 is smaller than sinks \+ recent \+ newest \(4 \+ 32 \+ 1\)"),
+        (["--budget", "5000"], {}, r"error: budget 5000 cells exceeds the model's trained context of 4096 positions"),
+        (["--budget", "30"], {}, r"error: budget 30 is smaller than sinks \+ recent \+ newest \(4 \+ 32 \+ 1\)"),
+        # the schedule's variables, which info ignored (it stated 229 cells)
+        (["--budget", "100"], {"AHAKV_SINKS": "64", "AHAKV_RECENT": "64"}, r"error: budget 100 is smaller than sinks"),
+        # the fixture's heads are 16 values: no whole q8_0 block (info stated 193 q8_0 cells)
+        (["--budget", "64", "--kv-type", "q8_0"], {}, r"error: a KV row of 16 values cannot be stored as q8_0"),
+        # a ratio in 30 cells: sinks + recent and a chunk overflow them (info stated 37 cells; generate read until
+        # "the KV cache is full")
+        (["--budget", "0.25", "-c", "30"], {}, r"error: budget 25% cannot be held in caches of 37 cells: sinks"),
     ],
 )
-def test_info_refuses_what_generate_refuses_in_the_same_words(fixture_model, budget, message):
+def test_info_refuses_what_generate_refuses_in_the_same_words(fixture_model, args, env, message):
     """info stated an allocation "as generate allocates it" for budgets generate refuses."""
-    said = ahakv("info", str(fixture_model), "--budget", budget)
-    done = ahakv("generate", str(fixture_model), "-p", "x", "-n", "1", "--budget", budget)
+    env = {**os.environ, **env}
+    said = ahakv("info", str(fixture_model), *args, env=env)
+    prompt = "the quick brown fox jumps over the lazy dog " * 20  # past the cells, so a read that fails, fails
+    done = ahakv("generate", str(fixture_model), "-p", prompt, "-n", "1", *args, env=env)
     assert_one_line_error(said, message)
     assert_one_line_error(done, message)
     assert said.stderr == done.stderr
@@ -271,10 +280,43 @@ def test_info_names_the_context_serve_would_need_for_what_it_states(gemma_model)
 
 def test_info_refuses_what_generate_refuses(gemma_model):
     assert_one_line_error(ahakv("info", str(gemma_model), "--budget", "lots"), r"error: budget must be a cell count")
-    assert_one_line_error(
-        ahakv("info", str(gemma_model), "-c", "999999"),
-        r"error: --ctx-size 999999 is past the model's trained context \(32,768\)",
-    )
+
+
+@pytest.mark.parametrize(
+    "args, env",
+    [
+        (["--budget", "512"], {"AHAKV_POLICY": "h2o"}),  # no question's room (info stated AhaKV's 641 cells)
+        (["--budget", "1024"], {"AHAKV_EVICT_EVERY": "1"}),  # the sliding caches' period (info stated 672 cells)
+        (["--budget", "512", "--reading", "plain"], {}),
+        (["--budget", "25%", "-c", "200"], {}),  # a ratio in 200 cells reads chunks of 50 (info stated 264 cells)
+        (["--budget", "25%", "-c", "40000"], {}),  # past the trained context (info refused it; generate ran it)
+    ],
+)
+def test_info_states_what_generate_allocates_with_the_same_options(gemma_model, args, env):
+    """info laid out AhaKV with the default schedule and a chunk of 64 whatever generate was told, and refused -c past
+    the trained context, which generate runs: both now take the drop-in's plan (``SessionSpec.plan_on``)."""
+    env = {**os.environ, **env}
+    said = re.search(r"KV at budget .*?: ([\d.]+) MiB = full ([\d,]+) cells", ahakv("info", str(gemma_model), *args,
+                                                                                   env=env).stdout)  # fmt: skip
+    proc = ahakv("generate", str(gemma_model), "-p", "Hello", "-n", "1", "--stats", *args, env=env)
+    done = re.search(r"\((\d+) allocated, ([\d.]+) MiB KV", proc.stderr)
+    assert said and done, proc.stderr
+    assert (said.group(1), int(said.group(2).replace(",", ""))) == (done.group(2), int(done.group(1)))
+
+
+def test_info_states_the_layout_of_where_generate_runs_the_layers(gemma_model):
+    """info's default layout ignored --rpc and -ngl (AHAKV_RPC: "adaptive", where generate offloads every layer to the
+    workers and holds the budget natural); it is the drop-in's for the same options (``product_layout``, a second
+    path; no worker is reached: info reads the header only)."""
+    from ahakv_local.llama import product_layout
+
+    worker = "127.0.0.1:50999"
+    for args, rpc, ngl in [([], (), -1 if offloads_by_default() else 0), (["--rpc", worker], (worker,), -1),
+                           (["--rpc", worker, "-ngl", "0"], (worker,), 0)]:  # fmt: skip
+        proc = ahakv("info", str(gemma_model), "--budget", "64", *args)
+        assert f"{product_layout(gemma_model, ngl, rpc)} layer budgets" in proc.stdout, proc.stdout + proc.stderr
+    env = {**os.environ, "AHAKV_RPC": worker}
+    assert "natural layer budgets" in ahakv("info", str(gemma_model), "--budget", "64", env=env).stdout
 
 
 def test_environment_variables_mirror_options(fixture_model):
@@ -719,6 +761,9 @@ def test_info_reads_the_environment_as_generate_does(fixture_model):
     by_options = ahakv("info", str(fixture_model), "--budget", "96", "-c", "1024", "--layer-budgets", "shared")
     assert by_env.returncode == by_options.returncode == 0 and by_env.stdout == by_options.stdout
     assert by_env.stdout != ahakv("info", str(fixture_model)).stdout
+    # --policy full over AHAKV_BUDGET runs without the budget (generate's way out): the full caches alone
+    full = ahakv("info", str(fixture_model), env={**env, "AHAKV_POLICY": "full"})
+    assert full.returncode == 0 and "KV at budget" not in full.stdout and "KV full cache" in full.stdout
 
 
 @pytest.mark.parametrize("threads", ["abc", "0", "100000"])
