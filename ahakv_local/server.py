@@ -79,24 +79,28 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk, before [DONE], with no choice and the request's token counts
 
 
+NULL_IS_DEFAULT = ("stream", "temperature", "top_p", "presence_penalty", "frequency_penalty")
+
+
 class KVFields(BaseModel):
     # other OpenAI fields (user, metadata, ...) change nothing in the answer: accepted and ignored; NaN and
     # infinities (Python's JSON reader takes them) are refused, and so is a value of another JSON type ("stream": "yes",
     # "max_tokens": "5"), as OpenAI refuses it; a whole number is a number
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
     model: str | None = None
-    stream: bool = False
+    # null is the default, as OpenAI takes it (its clients send null for a None they were given)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(256, ge=0)  # 0 or null: up to the server's limit
     # OpenAI's newer name for max_tokens (its clients send only this one now): the same, and refused with another
     # max_tokens
     max_completion_tokens: int | None = Field(None, ge=0)
-    temperature: float = Field(0.8, ge=0, le=2)  # OpenAI's ranges
-    top_p: float = Field(0.95, ge=0, le=1)
+    temperature: float | None = Field(0.8, ge=0, le=2)  # OpenAI's ranges
+    top_p: float | None = Field(0.95, ge=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
     kv_budget: int | float | str | None = None
     kv_policy: str | None = None
     # the question a prompt longer than the budget is read with: text, true (chat: the last user message;
@@ -105,13 +109,22 @@ class KVFields(BaseModel):
     kv_query: bool | str | None = None
 
     @model_validator(mode="after")
+    def _nulls_are_defaults(self):
+        for name in NULL_IS_DEFAULT:
+            if getattr(self, name) is None:
+                setattr(self, name, type(self).model_fields[name].default)
+        return self
+
+    @model_validator(mode="after")
     def _one_length(self):
         if "max_completion_tokens" in self.model_fields_set:
-            if "max_tokens" in self.model_fields_set and self.max_tokens != self.max_completion_tokens:
+            given = "max_tokens" in self.model_fields_set and self.max_tokens is not None  # null: not given
+            if given and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise ValueError(
                     f"max_tokens={self.max_tokens} and max_completion_tokens={self.max_completion_tokens}: give one"
                 )
-            self.max_tokens = self.max_completion_tokens
+            if not given or self.max_completion_tokens is not None:
+                self.max_tokens = self.max_completion_tokens
         return self
 
     @model_validator(mode="after")
@@ -452,10 +465,11 @@ class SerialRunner:
             budget = Budget.parse(req.kv_budget, min_ratio=s.min_ratio, max_ratio=s.max_ratio, error_tol=s.error_tol)
         if asked is not None:
             policy = asked
-        kv.check_budget(budget, policy)  # nothing has changed yet
+        kv.check_budget(budget, policy, new_sequence=True)  # nothing has changed yet; it is read from the start
         try:  # every group's eviction target too, not only the configured budget
+            self.llm.reset()  # the cached history was compressed under other settings; even layer shares again
             kv.configure(budget, policy)
-            self.llm.reset()  # the cached history was compressed under other settings
+            self.llm.reset()  # adaptive: the caches laid out for the request's budget
             yield
         finally:
             kv.restore(saved_budget, saved_policy)

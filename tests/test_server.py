@@ -181,6 +181,21 @@ def test_max_completion_tokens_bounds_the_answer(server, route):
     assert answer(max_tokens=3, max_completion_tokens=3)[1]["usage"] == out["usage"]
     status, out = answer(max_tokens=3, max_completion_tokens=1)
     assert status == 400 and "max_tokens=3 and max_completion_tokens=1" in out["error"]["message"]
+    # null is "not given", as OpenAI takes it (its SDK sends null for a None it was passed): the other one counts
+    assert answer(max_tokens=None, max_completion_tokens=3)[1]["usage"]["completion_tokens"] == 3
+    assert answer(max_tokens=3, max_completion_tokens=None)[1]["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty", "stream"])
+def test_a_null_sampling_field_is_its_default(server, field):
+    """OpenAI's fields are nullable and null means the default (its SDK sends null for ``temperature=None``): they were
+    a 400, "Input should be a valid number". The answer equals the one without the field (at temperature 0, greedy;
+    temperature's default 0.8 against itself, seeded)."""
+    fixed = {"temperature": 0} if field != "temperature" else {"seed": 7}
+    body = {"prompt": "The GNU General Public License", "max_tokens": 6, **fixed}
+    status, with_null = call(server, "/v1/completions", {**body, field: None})
+    assert status == 200, with_null
+    assert with_null["choices"][0]["text"] == call(server, "/v1/completions", body)[1]["choices"][0]["text"]
 
 
 @pytest.mark.parametrize("route", ["completion", "chat"])
@@ -315,6 +330,30 @@ def assert_the_servers_budget(server) -> None:
     assert stats["budget"] == 96 and stats["cells_used"] <= 96
     usage = body["usage"]  # the last generated token is sampled, not decoded
     assert stats["tokens_seen"] == usage["prompt_tokens"] + usage["completion_tokens"] - 1 > 96
+
+
+def test_a_request_budget_is_checked_as_the_new_sequence_it_starts(gemma_model, license_text):
+    """Adaptive layer shares drift as a sequence goes on, and a request with its own kv_budget starts a new sequence
+    from even shares (README): its budget was checked against the drifted shares and caches, so 300 and 320 cells
+    were refused after a 40-token answer ("does not fit the 513 allocated cells") and accepted after a 5-token one.
+    Checked as the sequence it starts, it runs in caches laid out for it; the server's caches come back after."""
+    from ahakv_local import Llama
+    from ahakv_local.server import CompletionRequest, SerialRunner
+
+    prompt = license_text[:3000] + "\n\nQuestion: what is this text about?\nAnswer:"
+    with Llama(str(gemma_model), kv_budget=256, n_ctx=2048, n_batch=64, verbose=False) as llm:
+        kv = llm.kv_controller
+        even = kv._sizes()
+        runner = SerialRunner(llm, "local", 256, 600.0, 32)
+        llm.create_completion(prompt, max_tokens=40, temperature=0)
+        assert kv.shares.weights.std() > 0.1 and kv._sizes() != even  # the shares drifted
+        for budget in (300, 320):  # at even shares they fit: 320 + a chunk of 64 + the newest token = 385 cells
+            with runner.settings(CompletionRequest(prompt="x", kv_budget=budget)):
+                assert kv.config.budget.value == budget
+                e = llm.kv_engine
+                cells = dict(zip(e.caches, kv._sizes(), strict=True))  # each cache as the next decode has it
+                assert all(cells[e.layer_cache[g.map_layer]] >= budget + 65 for g in kv.groups if not g.window)
+        assert kv.config.budget.value == 256 and kv._sizes() == even
 
 
 def test_a_smaller_request_budget_leaves_the_servers_budget_and_caches(gemma_model):
