@@ -257,7 +257,8 @@ def make_items(
 
 
 def parse_compressions(text: str) -> list[float]:
-    """'4,8' or '4x,8x' -> [4.0, 8.0]; each at least 1 (1 keeps the whole prompt)."""
+    """'4,8' or '4x,8x' -> [4.0, 8.0]; each at least 1 (1: as many cells as the prompt has tokens, which the budget
+    holds as every budget is held, evict_every - 1 below it after each eviction: not the full cache)."""
     out = []
     for part in text.split(","):
         s = part.strip().lower().removesuffix("x")
@@ -266,7 +267,9 @@ def parse_compressions(text: str) -> list[float]:
         except ValueError:
             raise ValueError(f"a compression is a factor such as 4 or 8x, not {part!r}") from None
         if not (np.isfinite(c) and c >= 1):
-            raise ValueError(f"a compression must be at least 1 (1: keep everything), not {part!r}")
+            raise ValueError(
+                f"a compression must be at least 1 (1: as many cells as the prompt has tokens), not {part!r}"
+            )
         out.append(c)
     return list(dict.fromkeys(out))  # each once ("4,4x" ran twice into one row of twice the items)
 

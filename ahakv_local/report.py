@@ -34,8 +34,18 @@ def provenance(model: Path, text: str, tokens: int) -> dict:
     }
 
 
-def _write(out: Path, meta: dict, rows: list[dict], fields: list[str], lines: list[str]) -> None:
+# every figure a report writes: a run into the folder of another command's leaves none of the other's beside its own
+FIGURES = ("ppl_vs_budget.png", "accuracy.png", "long_run.png")
+
+
+def _write(
+    out: Path, meta: dict, rows: list[dict], fields: list[str], lines: list[str], figure: str | None = None
+) -> None:
+    """results.json/.csv/.md under ``out``, and no figure but this run's (``figure``, written by the caller)."""
     out.mkdir(parents=True, exist_ok=True)
+    for name in FIGURES:
+        if name != figure:
+            (out / name).unlink(missing_ok=True)
     (out / "results.json").write_text(json.dumps({"config": meta, "results": rows}, indent=1))
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
@@ -75,7 +85,7 @@ def write_ppl_report(
     out.mkdir(parents=True, exist_ok=True)
     plot_ppl(results, tokens, out / "ppl_vs_budget.png", f"{model.name}: {Path(text).name}, {tokens} tokens")
     fields = ["label", "policy", "budget", "tokens", "ppl", "kl", "top1", "max_cells", "kv_bytes", "seconds"]
-    _write(out, meta, rows, fields, lines)
+    _write(out, meta, rows, fields, lines, "ppl_vs_budget.png")
     return lines
 
 
@@ -114,7 +124,7 @@ def write_longdoc_report(
     ]  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     plot_longdoc(trials, out / "accuracy.png", f"{model.name}: long documents, mean score")
-    _write(out, meta, [asdict(t) | {"budget": str(t.budget)} for t in trials], fields, lines)
+    _write(out, meta, [asdict(t) | {"budget": str(t.budget)} for t in trials], fields, lines, "accuracy.png")
     return lines
 
 
@@ -171,8 +181,6 @@ def write_speed_report(
         ]
         out.mkdir(parents=True, exist_ok=True)
         plot_long_run(long, out / "long_run.png", f"{model.name}: full cache vs {long[0].label}")
-    else:  # a run into the folder of an earlier one: its figure is not this run's
-        (out / "long_run.png").unlink(missing_ok=True)
     fields = sorted({k for r in rows for k in r if k != "decode_runs"}, key=lambda k: (k != "table", k))
-    _write(out, meta, rows, fields, lines)
+    _write(out, meta, rows, fields, lines, "long_run.png" if long else None)
     return lines

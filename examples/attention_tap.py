@@ -14,9 +14,12 @@ from ahakv_local.native import TapFlag
 text = Path("/usr/share/common-licenses/GPL-3").read_text()[:3000]
 
 with Engine(default_model_path(progress=True), EngineConfig(n_ctx=2048)) as engine:
-    engine.set_tap(TapFlag.ATTN, window=32)  # attention of the last 32 prompt rows
     tokens = engine.tokenize(text)
-    logits = engine.decode(tokens)
+    engine.decode(tokens[:-32])  # the tap is off: no statistics
+    # the tap sums the last 32 query rows of each llama_decode (Engine.decode makes one per n_batch tokens): on for
+    # the last call only, it holds the attention of the prompt's last 32 rows
+    engine.set_tap(TapFlag.ATTN, window=32)
+    logits = engine.decode(tokens[-32:])
 
     # holistic score: attention mass summed over all layers and heads, by position
     stats = engine.stats("attn")
@@ -29,7 +32,8 @@ with Engine(default_model_path(progress=True), EngineConfig(n_ctx=2048)) as engi
     candidates = positions[keep_first : positions.size - keep_last]
     victims = candidates[np.argsort(score[candidates])[: positions.size - budget]]
     freed = engine.evict(victims)
-    print(f"{len(tokens)} prompt tokens, evicted {freed}, cache now {engine.n_used()} cells")
+    rows = engine.stat_rows  # query rows the statistics summed
+    print(f"{rows} query rows scored {len(tokens)} prompt tokens, evicted {freed}, cache now {engine.n_used()} cells")
     print("most attended:", repr(engine.detokenize([tokens[p] for p in np.argsort(-score)[:8]])))
 
     engine.set_tap(TapFlag(0))

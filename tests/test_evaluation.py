@@ -79,7 +79,7 @@ def test_kl_of_the_full_cache_against_itself_is_zero(fixture_model, license_text
     again, h2o = results["full again"], results["h2o"]
     # the stored rows are within e = scale / 2 of the exact ones, so KL(p' || p) is at most e exp(e) per
     # token; the fixture's rows span < 10 nats (at most 7.6 on GPL-3): e < 10 / 65535 / 2 = 7.7e-5 (LogProbStore)
-    assert abs(again.kl) < 7.7e-5 and again.top1 == 1.0 and again.ppl == results["full"].ppl
+    assert 0 <= again.kl < 7.7e-5 and again.top1 == 1.0 and again.ppl == results["full"].ppl  # (never below 0)
     assert h2o.kl > 0.01 and h2o.max_cells <= 48
 
 
@@ -228,8 +228,31 @@ def test_peak_memory_does_not_grow_with_the_number_of_configurations(gemma_model
     assert four <= one + 64 * 2**20, (one / 2**20, four / 2**20)
 
 
+def test_a_row_equal_to_the_reference_has_kl_zero_never_below():
+    """The stored row is rounded (half a step), so KL against the very row it stores came out below 0 (eval ppl's
+    trimmed row, equal to the full cache, read -0.0000): a divergence is never negative; each row is read at 0."""
+    rng = np.random.default_rng(3)
+    logp = log_softmax(rng.standard_normal((8, 1000)) * 5).astype(np.float32)
+    store = LogProbStore(1000)
+    store.write(logp)
+    store.rewind()
+    recs = store.read(8)
+    store.close()
+    raw = [
+        float(np.exp(LogProbStore.dequantize(r)) @ (LogProbStore.dequantize(r) - q))
+        for r, q in zip(recs, logp, strict=True)
+    ]
+    assert min(raw) < 0  # the rounding this is about (seeded: the same rows on every machine)
+    kl, top1 = store.compare(recs, logp)
+    half_step = max(float(r["scale"]) for r in recs) / 2
+    assert all(0 <= k <= half_step * np.exp(half_step) for k in kl) and all(top1)  # the store's bound (above)
+
+
 def test_eval_ppl_command_writes_every_output(fixture_model, tmp_path):
     out = tmp_path / "eval"
+    out.mkdir()
+    (out / "accuracy.png").write_bytes(b"an earlier eval longdoc's figure")  # another command's, into this folder
+    (out / "notes.txt").write_text("the user's")
     proc = subprocess.run(
         [
             sys.executable,
@@ -266,6 +289,13 @@ def test_eval_ppl_command_writes_every_output(fixture_model, tmp_path):
     assert (out / "results.csv").read_text().count("\n") == 6
     assert "| ahakv | 80 cells |" in (out / "results.md").read_text()
     assert (out / "ppl_vs_budget.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # no figure of another run beside this one's results (it described results no longer there); the user's files stay
+    assert not (out / "accuracy.png").exists() and (out / "notes.txt").read_text() == "the user's"
+    # --tokens cut below the prefix: said so (it read "GPL-3 has only 30 tokens")
+    cmd = [sys.executable, "-m", "ahakv_local", "eval", "ppl", str(fixture_model), "--tokens", "30", "--prefix", "32",
+           "--budgets", "48", "--out", str(out)]  # fmt: skip
+    short = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert short.returncode == 1 and short.stderr.strip() == "error: --tokens 30; need more than --prefix 32 + 1"
 
 
 def test_evaluation_budgets_use_the_one_budget_grammar():

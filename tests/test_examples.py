@@ -42,3 +42,36 @@ def test_chat_app_answers_and_ends_with_its_input():
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     used, budget, seen = map(int, re.search(r"\[cache (\d+)/(\d+) cells, (\d+) tokens seen", proc.stdout).groups())
     assert budget == 512 and used == seen > 0  # one short turn: nothing evicted yet
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--document", "/nonexistent"], "cannot read /nonexistent: No such file or directory"),
+        (["--budget", "0"], "budget must be a positive whole number"),
+        (["--depth", "3"], "--depth is a fraction of the paragraphs, from 0 to 1, not 3.0"),
+        (["--key", "12.5"], "--key must be a number, not '12.5'"),
+    ],
+)
+def test_long_document_qa_refuses_a_bad_argument_in_one_line(args, message):
+    """A missing document or a budget of 0 was a traceback and exit 1, the status of a wrong answer; a depth of 3 put
+    the key at the end and passed; a key that is not a number could never be scored right."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "long_document_qa.py"), *args], capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"long_document_qa.py: error: {message}"), proc.stderr
+
+
+def test_attention_tap_scores_the_prompts_last_rows_and_evicts_to_its_budget():
+    """examples/attention_tap.py: the tap on for the prompt's last 32 rows only (it summed 32 rows of every n_batch
+    call: 64 rows from two places on GPL-3's first 3,000 characters), the cache evicted to 256 cells."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "attention_tap.py")], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    said = re.search(r"(\d+) query rows scored (\d+) prompt tokens, evicted (\d+), cache now (\d+) cells", proc.stdout)
+    assert said, proc.stdout
+    rows, n, freed, used = map(int, said.groups())
+    assert rows == 32 and used == 256 and freed == n - 256
