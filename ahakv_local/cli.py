@@ -28,6 +28,7 @@ from .info import KV_CACHE_TYPES
 from .native import MAX_THREADS
 from .textfile import decode, read_stream, read_text
 
+ROOMS = {"query": "a question's room", "reconstruct": "a reconstruction pass's room"}  # what info says a reading holds
 BUDGETED_BATCH = 64  # prompt tokens per decode call under a budget: the cache stays within one chunk of it
 
 
@@ -533,7 +534,10 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, **engine)
         cells = plan.layer_cells
     full = [c for c, sliding in zip(cells, model_info.layer_sliding, strict=True) if not sliding]
     plan.spec.check_fit_on(path, plan, min(full or cells))
-    at = BudgetAllocation(budget, layer_budgets, cells, plan.chunk, plan.spec.kv_type)
+    room = (
+        "" if not plan.spec.room(plan.chunk) else ROOMS.get(plan.spec.reading, f"a {plan.spec.reading} reading's room")
+    )
+    at = BudgetAllocation(budget, layer_budgets, cells, plan.chunk, plan.spec.kv_type, room)
     click.echo(describe(model_info, ctx_size, ubatch_size, at))
 
 

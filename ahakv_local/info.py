@@ -257,6 +257,7 @@ class BudgetAllocation:
     layer_cells: tuple[int, ...]
     chunk: int  # the prompt chunk the allocation holds on top of the budget
     kv_type: str = "f16"  # of K and V in its caches
+    room: str = "a question's room"  # what else it holds on top ("": nothing; a plain reading or a policy not guided)
 
 
 def _cells(counts: set[int]) -> str:
@@ -324,11 +325,12 @@ def describe(info: ModelInfo, context: int | None, n_ubatch: int = 512, at: Budg
         b = at.budget
         named = f"{int(b.value):,} cells" if b.mode == "cells" else str(b)
         typed = "" if at.kv_type == "f16" else f", K and V in {at.kv_type}"
-        at_context = "" if b.mode == "cells" else f" -c {context}"  # (both default to -c 4096)
+        at_context = "" if b.mode == "cells" else f" -c {context}"  # (info's -c defaults to the trained context)
+        on_top = f"a prompt chunk of {at.chunk}" + (f" and {at.room}" if at.room else "")
         lines.append(
             f"KV at budget   {named}, {at.layer_budgets} layer budgets{typed}: {mib(allocated)} = {parts} "
-            f"(as generate{at_context} and serve{at_context} allocate it: a prompt chunk of "
-            f"{at.chunk} and a question's room on top" + (f"; {how})" if at.layer_budgets == "adaptive" else ")")
+            f"(as generate{at_context} and serve{at_context} allocate it: {on_top} on top"
+            + (f"; {how})" if at.layer_budgets == "adaptive" else ")")
         )
         if b.mode == "cells" and b.value >= context:
             whole = f"{int(b.value):,} cells hold all {context:,} positions"

@@ -296,12 +296,15 @@ def test_info_states_what_generate_allocates_with_the_same_options(gemma_model, 
     """info laid out AhaKV with the default schedule and a chunk of 64 whatever generate was told, and refused -c past
     the trained context, which generate runs: both now take the drop-in's plan (``SessionSpec.plan_on``)."""
     env = {**os.environ, **env}
-    said = re.search(r"KV at budget .*?: ([\d.]+) MiB = full ([\d,]+) cells", ahakv("info", str(gemma_model), *args,
-                                                                                   env=env).stdout)  # fmt: skip
+    out = ahakv("info", str(gemma_model), *args, env=env).stdout
+    said = re.search(r"KV at budget .*?: ([\d.]+) MiB = full ([\d,]+) cells", out)
     proc = ahakv("generate", str(gemma_model), "-p", "Hello", "-n", "1", "--stats", *args, env=env)
     done = re.search(r"\((\d+) allocated, ([\d.]+) MiB KV", proc.stderr)
     assert said and done, proc.stderr
     assert (said.group(1), int(said.group(2).replace(",", ""))) == (done.group(2), int(done.group(1)))
+    # what it holds on top is named as it is (a plain reading, or H2O, has no question's room)
+    unguided = "plain" in args or env.get("AHAKV_POLICY") == "h2o"
+    assert ("a prompt chunk of 64 on top" in out) == unguided and ("a question's room on top" in out) != unguided
 
 
 def test_info_states_the_layout_of_where_generate_runs_the_layers(gemma_model):
