@@ -82,8 +82,9 @@ class ChatSession:
         n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         pinned = kv.config.pinned
         kv.config.pinned = (0, n)
-        try:  # never evicted: the budget must hold it beside the sinks and the recent tokens
+        try:  # never evicted: the budget must hold it beside the sinks and the recent tokens (a ratio: and a chunk)
             kv.check_floor(kv.config.budget)
+            kv.fitted(kv.config.budget)
         except AhakvError as exc:
             raise AhakvError(f"the system prompt is {n} tokens, kept whole: {exc}") from None
         finally:

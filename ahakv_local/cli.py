@@ -527,13 +527,12 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, **engine)
         kv_type=kv_type,
     )
     plan = spec.plan_on(path, context, BUDGETED_BATCH, BUDGETED_BATCH)
-    plan.spec.check_floor_on(path, plan.chunk, plan.longest)
     if plan.allocation is None:  # a shared ratio or auto budget: llama.cpp's own cache of -c cells
         cells = (model_info.caches(context, swa_full=True)[0].cells,) * model_info.n_layer
     else:
         cells = plan.layer_cells
     full = [c for c, sliding in zip(cells, model_info.layer_sliding, strict=True) if not sliding]
-    plan.spec.check_fit_on(path, plan, min(full or cells))
+    plan.spec.check_plan_on(path, plan, min(full or cells))  # what generate refuses
     room = (
         "" if not plan.spec.room(plan.chunk) else ROOMS.get(plan.spec.reading, f"a {plan.spec.reading} reading's room")
     )

@@ -157,6 +157,22 @@ def check_floor(cfg: ControllerConfig, layout: CacheLayout, allocation: Allocati
         )
 
 
+def check_policy(policy: Policy, budget: Budget, cells: int, reach: int) -> None:
+    """Refuse ``policy`` under ``budget`` in caches whose smallest full-attention one holds ``cells``, for positions up
+    to ``reach``: an evicting policy without a budget, one that keeps every token in caches that cannot, an auto
+    budget without an error model (``KVController.check_budget``; ``info``, before any engine opens)."""
+    if policy.evicts and not budget.evicts:
+        raise AhakvError(f"policy {policy.name} evicts: give it a budget (the full cache keeps everything)")
+    if not policy.evicts and cells < reach:
+        # every later decode would fail with "the KV cache is full" once the sequence passed the cells
+        raise AhakvError(
+            f"policy {policy.name} keeps every token: these caches hold {cells} cells, not the "
+            f"{reach} positions the context reaches (open it without a budget for the full cache)"
+        )
+    if budget.mode == "auto" and not policy.supports_auto_budget:
+        raise AhakvError(f"an auto budget needs a policy with an error model (ahakv), not {policy.name}")
+
+
 def fit_to_cells(budget: Budget, cells: int, chunk: int, cfg: ControllerConfig, reach: int) -> Budget:
     """``budget`` as caches of ``cells`` (the smallest a full-attention layer reads), read ``chunk`` tokens at a time,
     can hold it for positions up to ``reach``: a ratio of the tokens seen or ``auto`` (which keeps at least
@@ -554,17 +570,8 @@ class KVController:
                 self.shares.weights[:] = weights
 
     def _check_budget(self, budget: Budget, policy: Policy) -> None:
-        if policy.evicts and not budget.evicts:
-            raise AhakvError(f"policy {policy.name} evicts: give it a budget (the full cache keeps everything)")
-        if not policy.evicts and (cells := self._full_cache_cells()) < self.reach:
-            # every later decode would fail with "the KV cache is full" once the sequence passed the cells
-            raise AhakvError(
-                f"policy {policy.name} keeps every token: these caches hold {cells} cells, not the "
-                f"{self.reach} positions the context reaches (open it without a budget for the full cache)"
-            )
+        check_policy(policy, budget, self._full_cache_cells(), self.reach)
         self.check_floor(budget)
-        if budget.mode == "auto" and not policy.supports_auto_budget:
-            raise AhakvError(f"an auto budget needs a policy with an error model (ahakv), not {policy.name}")
         if policy.evicts and (short := self._short_cache(budget)) is not None:
             label = int(budget.value) if budget.mode == "cells" else budget
             raise AhakvError(

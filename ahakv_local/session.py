@@ -32,7 +32,15 @@ from .budget import (
     guide_room,
     kv_type_for,
 )
-from .controller import ControllerConfig, KVController, Reconstruct, Surprisal, check_floor, fit_to_cells
+from .controller import (
+    ControllerConfig,
+    KVController,
+    Reconstruct,
+    Surprisal,
+    check_floor,
+    check_policy,
+    fit_to_cells,
+)
 from .engine import Engine, EngineConfig, kv_type_config
 from .errors import AhakvError
 from .info import check_kv_cache_type, check_kv_types, read_info
@@ -194,13 +202,17 @@ class SessionSpec:
         layer_cells = allocation.layer_cells(info.layer_sliding)
         return CachePlan(spec, n_batch, chunk, max(allocation.cache_cells), longest, allocation, layer_cells)
 
-    def check_fit_on(self, model: str | Path, plan: CachePlan, cells: int) -> None:
+    def check_plan_on(self, model: str | Path, plan: CachePlan, cells: int) -> None:
         """Refuse, before any engine opens, what the drop-in's controller refuses on ``plan``'s caches, whose smallest
-        full-attention one holds ``cells``: a ratio or auto budget whose protected positions and chunk do not fit
-        (``fit_to_cells``; positions run to the trained context, as the drop-in lets them)."""
+        full-attention one holds ``cells`` (positions run to the trained context, as the drop-in lets them): the
+        policy under the budget (``check_policy``), the floor, and a ratio or auto budget whose protected positions
+        and chunk do not fit (``fit_to_cells``)."""
         trained = read_info(Path(model)).n_ctx_train
+        reach = max(plan.longest, trained)
+        check_policy(self.make_policy(), self.budget, cells, reach)
+        self.check_floor_on(model, plan.chunk, plan.longest)
         config = self.config(model_layout(Path(model), self.kv_type), plan.chunk, plan.longest, trained)
-        fit_to_cells(self.budget, cells, plan.chunk, config, max(plan.longest, trained))
+        fit_to_cells(self.budget, cells, plan.chunk, config, reach)
 
     def check_floor_on(self, model: str | Path, chunk: int, longest: int) -> None:
         """Refuse, before any engine opens, a budget that leaves a layer group of ``model`` too few cells for its

@@ -434,6 +434,15 @@ def test_a_budget_that_cannot_hold_what_is_never_evicted_is_refused(fixture_mode
             ChatSession(llm, "rule " * 60, max_tokens=12, temperature=0.0)
     finally:
         llm.close()
+    # a ratio in -c 200 cells: the floor does not bound a ratio, and the 160-token prompt was accepted, then every
+    # message failed with "the KV cache is full" (what no eviction takes and a chunk of 50 overflow 282 cells)
+    llm = Llama(str(fixture_model), kv_budget="25%", n_ctx=200, verbose=False)
+    try:
+        with pytest.raises(AhakvError, match=r"the system prompt is \d+ tokens, kept whole: budget 25% .* do not fit"):
+            ChatSession(llm, "rule " * 160, max_tokens=12, temperature=0.0)
+        ChatSession(llm, "rule " * 20, max_tokens=12, temperature=0.0)  # one it holds
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])

@@ -197,6 +197,9 @@ def test_info_without_a_sliding_window_has_one_baseline(fixture_model):
         # a ratio in 30 cells: sinks + recent and a chunk overflow them (info stated 37 cells; generate read until
         # "the KV cache is full")
         (["--budget", "0.25", "-c", "30"], {}, r"error: budget 25% cannot be held in caches of 37 cells: sinks"),
+        # the policy's own refusals, which info had no owner to ask (it stated 4,096 and 165 cells)
+        (["--budget", "auto", "--policy", "h2o"], {}, r"error: an auto budget needs a policy with an error model"),
+        (["--budget", "100", "--policy", "full"], {}, r"error: policy full keeps every token: these caches hold 165"),
     ],
 )
 def test_info_refuses_what_generate_refuses_in_the_same_words(fixture_model, args, env, message):

@@ -246,6 +246,7 @@ def test_a_row_equal_to_the_reference_has_kl_zero_never_below():
     kl, top1 = store.compare(recs, logp)
     half_step = max(float(r["scale"]) for r in recs) / 2
     assert all(0 <= k <= half_step * np.exp(half_step) for k in kl) and all(top1)  # the store's bound (above)
+    assert np.isnan(store.compare(recs[:1], np.full((1, 1000), np.nan))[0][0])  # a broken run is not a perfect one
 
 
 def test_eval_ppl_command_writes_every_output(fixture_model, tmp_path):

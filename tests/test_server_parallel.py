@@ -394,7 +394,8 @@ def test_gemma_sequences_hold_their_budgets_and_agree_where_the_choice_is_clear(
     in two runs), so whole answers may differ from the one-at-a-time answers where two tokens are close. How far
     is no bound of the numerics (a quantized activation that flips moves the next layer's input by a whole step),
     so it is measured here, not asserted; that no sequence reads another's cells is asserted exactly, to the bit,
-    by the test above. Asserted: every sequence holds its budget, every answer is non-empty, and the first token
+    by the test above, through ``step_batch``, which ``SequencePool.step`` runs for its slots (the pool adds the
+    scheduling, whose budgets and answers this test checks). Asserted: every sequence holds its budget, every answer is non-empty, and the first token
     equals the alone-run's wherever the alone-run's margin between its top two logits exceeds twice the measured
     drift (each logit moved by at most the drift, so the order of those two cannot change)."""
     budgets = [48, 64, 80, 96, 48, 64, 80, 96]
