@@ -613,9 +613,7 @@ class KVController:
         if lay_out:
             if self._pending:
                 self._observe_block()  # the summed rows live in the old context's statistics
-            if self._resize_to is not None and self._sizes() != self.engine.cache_sizes():
-                self._resize()  # now: a failure is this call's, not the next decode's
-            self._resize_to = None
+            self.resize_now()  # now: a failure is this call's, not the next decode's
         return self.stats.evicted - before
 
     def configure(self, budget: Budget, policy: Policy) -> None:
@@ -915,6 +913,13 @@ class KVController:
         self.shares.applied({int(g.layers[0]): g.budget for g in self.groups})
         cells = tuple(allocation.cache_cells)  # a decision not yet applied is replaced, even by the sizes of now
         self._resize_to = cells if cells != self.engine.cache_sizes() else None
+
+    def resize_now(self) -> None:
+        """Give the caches the sizes scheduled for the next decode now (nothing decoded since needs the old context's
+        logits: a budget set between messages, a server between requests)."""
+        if self._resize_to is not None and self._sizes() != self.engine.cache_sizes():
+            self._resize()
+        self._resize_to = None
 
     def schedule_resize(self, cells: tuple[int, ...]) -> None:
         """Move the sequence to caches of ``cells`` (in the engine's cache order) just before the next decode."""

@@ -474,6 +474,7 @@ class SerialRunner:
         finally:
             kv.restore(saved_budget, saved_policy)
             self.llm.reset()
+            kv.resize_now()  # the server's own caches again now: its stats showed the request's until the next one
 
     def health(self) -> Response:
         if self.lock.acquire(timeout=1.0):

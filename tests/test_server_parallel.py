@@ -395,9 +395,9 @@ def test_gemma_sequences_hold_their_budgets_and_agree_where_the_choice_is_clear(
     is no bound of the numerics (a quantized activation that flips moves the next layer's input by a whole step),
     so it is measured here, not asserted; that no sequence reads another's cells is asserted exactly, to the bit,
     by the test above, through ``step_batch``, which ``SequencePool.step`` runs for its slots (the pool adds the
-    scheduling, whose budgets and answers this test checks). Asserted: every sequence holds its budget, every answer is non-empty, and the first token
-    equals the alone-run's wherever the alone-run's margin between its top two logits exceeds twice the measured
-    drift (each logit moved by at most the drift, so the order of those two cannot change)."""
+    scheduling, whose budgets and answers this test checks). Asserted: every sequence holds its budget, every answer
+    is non-empty, and the first token equals the alone-run's wherever the alone-run's margin between its top two
+    logits exceeds twice the measured drift (each logit moved by at most the drift, so their order cannot change)."""
     budgets = [48, 64, 80, 96, 48, 64, 80, 96]
     spec = SessionSpec.bounded("ahakv", 96, n_recent=16, reading="plain")
     cells = SequencePool.context_cells(spec.budget, 4, 64, 0)
