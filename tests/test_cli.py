@@ -310,6 +310,18 @@ def test_info_states_what_generate_allocates_with_the_same_options(gemma_model, 
     assert ("a prompt chunk of 64 on top" in out) == unguided and ("a question's room on top" in out) != unguided
 
 
+@pytest.mark.parametrize("reading", ["query", "reconstruct"])
+def test_a_guided_reading_asked_for_an_unguided_policy_is_refused(fixture_model, reading):
+    """``--reading reconstruct`` with H2O read plainly, silently (the server refuses the same request with a 400);
+    asked on the command line it is refused in one line; the default reading (query) still reads H2O plainly."""
+    args = ["generate", str(fixture_model), "-p", "hello there", "-n", "1", "--budget", "64", "--policy", "h2o"]
+    assert_one_line_error(
+        ahakv(*args, "--reading", reading),
+        rf"error: --reading {reading} needs a policy a question can guide \(.*ahakv.*\), not h2o",
+    )
+    assert ahakv(*args).returncode == 0
+
+
 def test_info_states_the_layout_of_where_generate_runs_the_layers(gemma_model):
     """info's default layout ignored --rpc and -ngl (AHAKV_RPC: "adaptive", where generate offloads every layer to the
     workers and holds the budget natural); it is the drop-in's for the same options (``product_layout``, a second
