@@ -289,14 +289,14 @@ def load_llama(
     # the user's own mistakes first, before the model is assembled or read
     guidable = make_policy(policy).reads_with_query  # (a clear error for an unknown policy)
     budget = asked_budget(budget, policy)
-    if budget is not None and reading in ("query", "reconstruct") and not guidable:
-        if source("reading") is ParameterSource.COMMANDLINE:  # asked for, not the default: refused, not dropped
-            from .policies import query_readers
+    asked_reading = source("reading") is ParameterSource.COMMANDLINE  # not the default: refused, not dropped
+    if budget is not None and asked_reading and reading in ("query", "reconstruct") and not guidable:
+        from .policies import query_readers
 
-            raise AhakvError(
-                f"--reading {reading} needs a policy a question can guide ({query_readers()}), not {policy}: "
-                "read with --reading plain or surprisal"
-            )
+        raise AhakvError(
+            f"--reading {reading} needs a policy a question can guide ({query_readers()}), not {policy}: "
+            "read with --reading plain or surprisal"
+        )
     if budget is not None and batch_size == 1 and reading != "plain" and given("reading"):
         # a prompt read a token at a time is decode steps: no question or reconstruction guides it (it was ignored)
         raise AhakvError(f"--reading {reading} guides a prompt read in chunks: --batch-size 1 reads a token at a time")

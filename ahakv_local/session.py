@@ -209,9 +209,13 @@ class SessionSpec:
         and chunk do not fit (``fit_to_cells``)."""
         trained = read_info(Path(model)).n_ctx_train
         reach = max(plan.longest, trained)
+        layout = model_layout(Path(model), self.kv_type)
+        config = self.config(layout, plan.chunk, plan.longest, trained)
         check_policy(self.make_policy(), self.budget, cells, reach)
-        self.check_floor_on(model, plan.chunk, plan.longest)
-        config = self.config(model_layout(Path(model), self.kv_type), plan.chunk, plan.longest, trained)
+        allocation = (
+            plan.allocation if plan.allocation is not None else self.allocation(layout, plan.chunk, plan.longest)
+        )
+        check_floor(config, layout, allocation, self.budget)
         fit_to_cells(self.budget, cells, plan.chunk, config, reach)
 
     def check_floor_on(self, model: str | Path, chunk: int, longest: int) -> None:
