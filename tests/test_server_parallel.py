@@ -357,7 +357,7 @@ def test_gemma_a_sequence_is_bit_identical_whatever_its_neighbour_reads(gemma_mo
     out the same way: sequence 0's cells, its row in each batch and the order of every float sum are the same, and
     the KQ mask gives the neighbour's cells exp(-inf) = 0 weight, which adds exact zeros. So sequence 0's logits,
     live positions and cells are the same to the bit; no tolerance is needed. (A neighbour's ten cells copied into
-    sequence 0 move its logits by 2.8 and change what it evicts: a scratch check with llama_memory_seq_cp.) The
+    sequence 0 move its logits by 2.8 and change what it evicts: `python benchmarks/isolation_leak.py`.) The
     tokens are fed from the texts, not sampled, so neither run depends on the other's choices."""
     words = license_text.split()
     steps = 40
