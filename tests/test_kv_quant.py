@@ -281,22 +281,34 @@ def test_llama_lays_a_byte_budget_out_in_q8_0_cells(gemma_model, layer_budgets):
             assert e.kv_bytes(c) == e.cache_cells(c) * info.cell_bytes(n_layers, "q8_0", "q8_0")
 
 
-def test_eval_ppl_with_kv_type(gemma_model, tmp_path):
+def test_eval_ppl_with_kv_type(gemma_model, license_text, tmp_path):
     """``eval ppl --kv-type q8_0``: the budgeted runs hold q8_0 cells (their KV bytes a whole number of q8_0 cells of
-    every layer), compared with the f16 full cache (finite KL)."""
+    every layer), compared with the f16 full cache. The second code path: the same configuration built here as a
+    ``SessionSpec`` (the command's defaults: 4 sinks, 32 recent, the default period, one observed step) and run
+    through ``evaluate`` in this process gives the command's perplexity and KL to the bit (one engine thread in
+    both, so the same kernels in the same order), which the command only gets if --kv-type reached the session."""
     import json
     import subprocess
     import sys
 
+    from ahakv_local.evaluation import evaluate, text_tokens
+    from ahakv_local.session import SessionSpec
+
     cmd = [sys.executable, "-m", "ahakv_local", "eval", "ppl", str(gemma_model), "--tokens", "256", "--budgets", "96",
-           "--policies", "ahakv", "--step", "16", "--kv-type", "q8_0", "--out", str(tmp_path)]  # fmt: skip
+           "--policies", "ahakv", "--step", "16", "--kv-type", "q8_0", "-t", "1", "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     run = next(r for r in json.loads((tmp_path / "results.json").read_text())["results"] if r["label"] == "ahakv@96")
     info = read_info(gemma_model)
     per_cell = info.cell_bytes(info.n_layer, "q8_0", "q8_0")  # shared: every cache holds the same cells
     assert run["kv_bytes"] % per_cell == 0 and run["kv_bytes"] // per_cell >= 96
-    assert 0 < run["kl"] < 5  # a model guessing uniformly over Gemma's 262,144 tokens is ~12.5 nats off: 5 is not that
+
+    specs = [SessionSpec.bounded("ahakv", 96, label=t, n_sink=4, n_recent=32, kv_type=t) for t in ("q8_0", "f16")]
+    tokens = text_tokens(gemma_model, license_text)[:256]  # the command's default text, GPL-3
+    here = evaluate(gemma_model, tokens, specs, prefix=128, step=16, n_threads=1)
+    q8 = here["q8_0"]
+    assert (run["ppl"], run["kl"], run["top1"], run["kv_bytes"]) == (q8.ppl, q8.kl, q8.top1, q8.kv_bytes)
+    assert here["f16"].kl != q8.kl  # and the command's figure is not f16's: q8_0's rounding moves the logits
 
 
 def trimmed_kv_bytes(model, n_ctx: int, n_ubatch: int) -> int:
