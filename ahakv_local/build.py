@@ -3,7 +3,8 @@
 1. download the pinned sdist with pip (once) and check its sha256;
 2. unpack it into a per-flags source folder and apply patches/*.patch in order;
 3. build a wheel with a persistent per-flags build folder (only patched files recompile);
-4. cache the wheel under a key of sdist hash + patch hash + flags + platform, and install it.
+4. cache the wheel under a key of sdist hash + patch hash + flags + platform + what a native build compiles for
+   (the CPU's instruction sets, the GPUs, the C library), and install it.
 
 A second ``build`` with nothing changed finds the installed engine up to date and does nothing;
 on a fresh environment with a cached wheel it only installs.
@@ -15,6 +16,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -62,20 +64,78 @@ class BuildPlan:
 
     @property
     def key(self) -> str:
-        """Identity of the wheel: anything that changes the compiled library changes the key."""
+        """Identity of the wheel: anything that changes the compiled library changes the key, the machine a
+        native build compiles for included (a wheel cache shared between machines, an NFS home or a CI cache,
+        must not hand an AVX-512 build to an AVX2 machine)."""
         parts = [
             SDIST_SHA256,
             self.patch_hash,
-            " ".join(self.cmake_args),  # (not shlex.join: a key must not change for flags built before)
+            flags_text(self.cmake_args),
             platform.machine(),
             sys.platform,
             f"py{sys.version_info.major}",
+            host_fingerprint(self.cmake_args),
         ]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
     @property
     def flags_key(self) -> str:
-        return hashlib.sha256(" ".join(self.cmake_args).encode()).hexdigest()[:12]
+        return hashlib.sha256(flags_text(self.cmake_args).encode()).hexdigest()[:12]
+
+
+def flags_text(cmake_args: tuple[str, ...]) -> str:
+    """The flags as one string, an argument with spaces quoted: '-DCMAKE_C_FLAGS=-O2 -DGGML_CUDA=ON' (one flag, a
+    CPU build) and '-DCMAKE_C_FLAGS=-O2', '-DGGML_CUDA=ON' (two, a CUDA build) joined alike with spaces alone."""
+    return " ".join(shlex.quote(a) if any(c.isspace() for c in a) or not a else a for a in cmake_args)
+
+
+def _last_value(cmake_args: tuple[str, ...], name: str) -> str | None:
+    """The value the last -D<name>=... sets (CMake takes the last), or None."""
+    values = [a.split("=", 1)[1] for a in cmake_args if a.startswith(f"-D{name}=") or a.startswith(f"-D{name}:")]
+    return values[-1] if values else None
+
+
+# the CPU features a native x86 build's -march=native turns into compiled code (ggml's own checks and the compiler's)
+X86_ISA = re.compile(r"^(sse\w*|ssse3|avx\w*|fma\w*|f16c|bmi\d|amx\w*|\w*vnni\w*|popcnt|lzcnt|abm|movbe|aes|pclmulqdq|"
+                     r"sha_ni|gfni|vaes|vpclmulqdq|adx)$")  # fmt: skip
+
+
+def cpu_features() -> str:
+    """The instruction sets of this machine's CPU as a native build sees them (Linux: /proc/cpuinfo; elsewhere the
+    processor's name, which is what the OS offers without a compiler run)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):  # x86, ARM
+            words = value.split()
+            return " ".join(sorted(w for w in words if name.strip() == "Features" or X86_ISA.match(w)))
+    return platform.processor() or platform.machine()
+
+
+def cuda_architectures() -> str:
+    """The compute capabilities of this machine's NVIDIA GPUs (what CMAKE_CUDA_ARCHITECTURES=native compiles for)."""
+    try:
+        query = ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"]
+        proc = subprocess.run(query, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "none"
+    return ",".join(sorted(set(proc.stdout.split()))) if proc.returncode == 0 else "none"
+
+
+def host_fingerprint(cmake_args: tuple[str, ...]) -> str:
+    """What the library is compiled for beyond its flags: the CPU's instruction sets where GGML_NATIVE is on
+    (ggml's default: -march=native), the GPUs' compute capabilities for a CUDA build without
+    CMAKE_CUDA_ARCHITECTURES (ggml's default: native), and the C library the wheel links against."""
+    parts = [" ".join(platform.libc_ver())]
+    if (_last_value(cmake_args, "GGML_NATIVE") or "ON").upper() not in ("OFF", "0", "FALSE", "NO"):
+        parts.append("cpu " + cpu_features())
+    cuda = (_last_value(cmake_args, "GGML_CUDA") or "OFF").upper() in ("ON", "1", "TRUE", "YES")
+    if cuda and _last_value(cmake_args, "CMAKE_CUDA_ARCHITECTURES") is None:
+        parts.append("gpu " + cuda_architectures())
+    return "; ".join(parts)
 
 
 # what ggml-vulkan compiles with: (what it is, where it is found, the Debian package that installs it)
@@ -84,14 +144,26 @@ VULKAN_REQUIREMENTS = (
     ("glslc", "bin:glslc", "glslc"),
     ("the SPIR-V headers", "include:spirv/unified1/spirv.hpp", "spirv-headers"),
 )
-INCLUDE_DIRS = ("/usr/include", "/usr/local/include")
+INCLUDE_DIRS = ("/usr/include", "/usr/local/include", "/opt/homebrew/include")
 
 
-def missing_vulkan_packages() -> list[str]:
-    """The Debian packages whose files a Vulkan build needs and this machine lacks (empty: all there)."""
-    roots = [Path(d) for d in INCLUDE_DIRS]
+def include_roots(cmake_args: tuple[str, ...] = ()) -> list[Path]:
+    """Where a compiler and CMake look for headers: the Vulkan SDK, -DVulkan_INCLUDE_DIR, CPATH and its C/C++
+    variants, each CMAKE_PREFIX_PATH's include/, Homebrew's, then the system's."""
+    roots = []
     if sdk := os.environ.get("VULKAN_SDK"):
-        roots.insert(0, Path(sdk) / "include")
+        roots.append(Path(sdk) / "include")
+    if given := _last_value(cmake_args, "Vulkan_INCLUDE_DIR"):
+        roots.append(Path(given))
+    for var in ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH"):
+        roots += [Path(d) for d in os.environ.get(var, "").split(os.pathsep) if d]
+    roots += [Path(d) / "include" for d in os.environ.get("CMAKE_PREFIX_PATH", "").split(os.pathsep) if d]
+    return roots + [Path(d) for d in INCLUDE_DIRS]
+
+
+def missing_vulkan_packages(cmake_args: tuple[str, ...] = ()) -> list[str]:
+    """The Debian packages whose files a Vulkan build needs and this machine lacks (empty: all there)."""
+    roots = include_roots(cmake_args)
     missing = []
     for _, where, package in VULKAN_REQUIREMENTS:
         kind, name = where.split(":", 1)
@@ -122,6 +194,8 @@ def plan(
             args += shlex.split(text)
         except ValueError as exc:  # "No closing quotation", "No escaped character"
             raise AhakvError(f"{where} {text!r}: {str(exc).lower()}") from None
+    if _last_value(tuple(args), "CMAKE_INSTALL_PREFIX") is not None:  # (scikit-build-core drops it: the wheel's)
+        raise AhakvError("-DCMAKE_INSTALL_PREFIX cannot be set: the engine is installed as a wheel into this Python")
     patches = tuple(sorted(patch_dir().glob("*.patch")))
     if not patches:
         raise AhakvError(f"no patches found in {patch_dir()}")
@@ -199,8 +273,14 @@ def unpack(sdist: Path, dest: Path) -> Path:
 
 
 def apply_patches(tree: Path, patches: tuple[Path, ...]) -> None:
+    # git must not look for a repository above the tree: inside one (a cache under a dotfiles repository, or
+    # AHAKV_CACHE_DIR in a checkout) it reads the patches' paths from that repository's root and skips them all
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.resolve().parent))
     for patch in patches:
-        proc = subprocess.run(["git", "apply", "--verbose", str(patch)], cwd=tree, capture_output=True, text=True)
+        cmd = ["git", "apply", "--verbose", str(patch)]
+        proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env=env)
+        if skipped := [ln for ln in proc.stderr.splitlines() if ln.startswith("Skipped patch")]:
+            raise AhakvError(f"patch {patch.name} was not applied to {tree}: git says {skipped[0]!r}")
         if proc.returncode != 0:
             # git says "error: patch failed: <file>:<line>" for the first hunk that does not match
             errors = [ln.removeprefix("error: ") for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
@@ -212,8 +292,11 @@ def apply_patches(tree: Path, patches: tuple[Path, ...]) -> None:
 
 def build_wheel(tree: Path, build_dir: Path, out: Path, cmake_args: tuple[str, ...]) -> Path:
     require("build")
-    # scikit-build-core shell-splits CMAKE_ARGS: a value with spaces (-DCMAKE_C_FLAGS="-O3 -march=x") stays one
-    env = dict(os.environ, CMAKE_ARGS=shlex.join(cmake_args))
+    # scikit-build-core shell-splits CMAKE_ARGS: a value with spaces (-DCMAKE_C_FLAGS="-O3 -march=x") stays one;
+    # it drops CMAKE_BUILD_TYPE from there (a warning in the log) and takes it as a setting of its own instead
+    build_type = _last_value(cmake_args, "CMAKE_BUILD_TYPE")
+    passed = [a for a in cmake_args if not a.startswith(("-DCMAKE_BUILD_TYPE=", "-DCMAKE_BUILD_TYPE:"))]
+    env = dict(os.environ, CMAKE_ARGS=shlex.join(passed))
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
     out.mkdir(parents=True, exist_ok=True)
     log_file = build_dir.parent / f"{build_dir.name}.log"
@@ -230,6 +313,7 @@ def build_wheel(tree: Path, build_dir: Path, out: Path, cmake_args: tuple[str, .
             str(out),
             "-C",
             f"build-dir={build_dir}",
+            *(["-C", f"cmake.build-type={build_type}"] if build_type else []),
             str(tree),
         ],
         env=env,
@@ -303,11 +387,12 @@ def ensure_engine(
         install(cached[-1], bp)
         return f"installed cached engine {cached[-1].name} (key {bp.key})"
 
-    if vulkan and (missing := missing_vulkan_packages()):
+    if vulkan and (missing := missing_vulkan_packages(bp.cmake_args)):
         raise AhakvError(
-            "a Vulkan build needs vulkan.hpp, glslc and the SPIR-V headers; on Debian/Ubuntu: "
-            f"apt-get install {' '.join(missing)}"
+            "a Vulkan build needs vulkan.hpp, glslc and the SPIR-V headers (elsewhere than the system's folders: "
+            f"set VULKAN_SDK or CPATH); on Debian/Ubuntu: apt-get install {' '.join(missing)}"
         )
+    require("build")  # before the download: pip reads the sdist's metadata with scikit-build-core
     start = time.monotonic()
     work = cache_dir() / "work" / bp.flags_key
     for folder in (cache_dir() / "sdist", work, wheel_dir):  # before the download, not after the compile

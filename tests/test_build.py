@@ -156,21 +156,87 @@ def test_a_quoted_cmake_value_reaches_cmake_as_one_argument(tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="stopped before compiling"):
         build.build_wheel(tmp_path / "src", tmp_path / "build", tmp_path / "dist", bp.cmake_args)
     assert tuple(shlex.split(seen["args"])) == bp.cmake_args
-    # the cache key still joins the flags with spaces: an engine built before keeps its key, whatever its flags
+    # the build type goes to scikit-build-core's own setting (it drops CMAKE_BUILD_TYPE from CMAKE_ARGS: a Debug
+    # request built Release under a key that said Debug)
+    seen.clear()
+
+    def record_cmd(cmd, cwd=None, env=None, log_file=None):
+        seen["cmd"], seen["args"] = cmd, env["CMAKE_ARGS"]
+        raise RuntimeError("stopped before compiling")
+
+    monkeypatch.setattr(build, "run", record_cmd)
+    debug = build.plan(cmake_args="-DCMAKE_BUILD_TYPE=Debug -DGGML_RPC=ON")
+    with pytest.raises(RuntimeError, match="stopped before compiling"):
+        build.build_wheel(tmp_path / "src", tmp_path / "build", tmp_path / "dist", debug.cmake_args)
+    assert "cmake.build-type=Debug" in seen["cmd"] and "CMAKE_BUILD_TYPE" not in seen["args"]
+    assert "-DGGML_RPC=ON" in shlex.split(seen["args"])
+
+
+def test_the_cache_key_is_the_flags_and_the_machine_a_build_compiles_for(monkeypatch):
+    """The key's parts, in order; flags with spaces inside one argument do not read as two arguments (a CPU build
+    whose C flags hold "-DGGML_CUDA=ON" had the CUDA build's key); a native build's key follows the CPU's
+    instruction sets (a shared wheel cache handed an AVX-512 build to an AVX2 machine), one with GGML_NATIVE off
+    does not; a CUDA build without CMAKE_CUDA_ARCHITECTURES follows the GPUs."""
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
     special = build.plan(cmake_args="-DCMAKE_CUDA_ARCHITECTURES=80;86")
-    key = hashlib.sha256(
-        "\n".join(
-            [
-                build.SDIST_SHA256,
-                special.patch_hash,
-                " ".join(special.cmake_args),
-                platform.machine(),
-                sys.platform,
-                f"py{sys.version_info.major}",
-            ]
-        ).encode()
+    parts = [
+        build.SDIST_SHA256,
+        special.patch_hash,
+        " ".join(special.cmake_args),  # no spaces inside an argument: joined as before
+        platform.machine(),
+        sys.platform,
+        f"py{sys.version_info.major}",
+        build.host_fingerprint(special.cmake_args),
+    ]
+    assert special.key == hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+    one = build.plan(cmake_args="'-DCMAKE_C_FLAGS=-O2 -DGGML_CUDA=ON'")
+    two = build.plan(cmake_args="-DCMAKE_C_FLAGS=-O2 -DGGML_CUDA=ON")
+    assert one.cmake_args != two.cmake_args and one.key != two.key and one.flags_key != two.flags_key
+
+    monkeypatch.setattr(build, "cpu_features", lambda: "avx avx2 fma")
+    monkeypatch.setattr(build, "cuda_architectures", lambda: "9.0")
+    pinned_args = "-DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF"
+    native, portable = build.plan().key, build.plan(cmake_args="-DGGML_NATIVE=OFF").key  # (keys are computed now)
+    cuda, pinned = build.plan(cuda=True).key, build.plan(cuda=True, cmake_args=pinned_args).key
+    monkeypatch.setattr(build, "cpu_features", lambda: "avx avx2 avx512f fma")
+    assert build.plan().key != native and build.plan(cmake_args="-DGGML_NATIVE=OFF").key == portable
+    monkeypatch.setattr(build, "cpu_features", lambda: "avx avx2 fma")
+    monkeypatch.setattr(build, "cuda_architectures", lambda: "8.0")
+    assert build.plan().key == native and build.plan(cuda=True).key != cuda
+    assert build.plan(cuda=True, cmake_args=pinned_args).key == pinned
+
+
+def test_cpu_features_are_this_machine_s_instruction_sets():
+    """Known answer on Linux: the ISA words of /proc/cpuinfo's first flags line (x86) or all of its Features
+    (ARM), in order; nothing volatile such as the clock or a hypervisor flag."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    line = next(ln for ln in text.splitlines() if ln.split(":")[0].strip() in ("flags", "Features"))
+    words = line.split(":", 1)[1].split()
+    features = build.cpu_features().split()
+    assert features == sorted(features) and set(features) <= set(words) and "hypervisor" not in features
+    if platform.machine() == "x86_64":
+        assert ("avx2" in features) == ("avx2" in words) and ("sse2" in features) == ("sse2" in words)
+
+
+def test_patches_apply_inside_another_git_repository(tmp_path):
+    """A cache folder inside a git work tree (a dotfiles repository in $HOME, AHAKV_CACHE_DIR in a checkout): git
+    read the patch's paths from that repository's root, skipped every file and exited 0, and the build compiled an
+    unpatched tree. The tree is patched as anywhere else; a patch git skips is an error."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    tree = tmp_path / "cache" / "work" / "src"
+    (tree / "vendor").mkdir(parents=True)
+    (tree / "vendor" / "a.txt").write_text("one\ntwo\n")
+    patch = tmp_path / "0001-two.patch"
+    patch.write_text(
+        "What: x\nWhy: y\n---\n"
+        "diff --git a/vendor/a.txt b/vendor/a.txt\n--- a/vendor/a.txt\n+++ b/vendor/a.txt\n"
+        "@@ -1,2 +1,2 @@\n one\n-two\n+three\n"
     )
-    assert special.key == key.hexdigest()[:20]  # fmt: skip
+    build.apply_patches(tree, (patch,))
+    assert (tree / "vendor" / "a.txt").read_text() == "one\nthree\n"
 
 
 @pytest.mark.parametrize(
@@ -178,6 +244,10 @@ def test_a_quoted_cmake_value_reaches_cmake_as_one_argument(tmp_path, monkeypatc
     [
         (["--cmake-args", '-DFOO="bar'], "--cmake-args '-DFOO=\"bar': no closing quotation"),
         (["--cuda", "--metal"], "--cuda and --metal cannot be built together: pick the one this machine has"),
+        (
+            ["--cmake-args", "-DCMAKE_INSTALL_PREFIX=/opt/x"],
+            "-DCMAKE_INSTALL_PREFIX cannot be set: the engine is installed as a wheel into this Python",
+        ),
     ],
 )
 def test_a_bad_build_request_is_one_line_before_anything_is_fetched(args, message, monkeypatch):
@@ -203,3 +273,16 @@ def test_a_cache_that_cannot_be_written_is_one_line_before_the_download(tmp_path
     assert result.exit_code == 1 and len(lines) == 1, result.output
     assert lines[0].startswith(f"error: cannot write the engine cache {tmp_path / 'afile' / 'cache'}"), lines[0]
     assert "set AHAKV_CACHE_DIR to a writable folder" in lines[0]
+
+
+def test_a_build_without_its_extra_is_one_line_before_the_download(tmp_path, monkeypatch):
+    """Without scikit-build-core, pip's download of the sdist (its metadata read with --no-build-isolation) ended in
+    a pip traceback; the missing extra is named first."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m: None if m == "scikit_build_core" else real(m))
+    monkeypatch.setenv("AHAKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "fetch_sdist", lambda: pytest.fail("went on to the download"))
+    with pytest.raises(AhakvError, match=r"needs the 'build' extra .*pip install 'ahakv-local\[build\]'"):
+        build.ensure_engine(force=True)
