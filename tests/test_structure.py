@@ -133,3 +133,17 @@ def test_llama_cpp_python_internals_are_reached_only_through_the_upstream_module
             if isinstance(n, ast.ImportFrom) and n.module and "_internals" in n.module:
                 found.append(f"{path}:{n.lineno} import {n.module}")
     assert found == [], found
+
+
+def test_the_readme_names_every_variable_the_commands_read():
+    """The README's paragraph on variables against the commands' own ``envvar=``: every variable a command reads is
+    named there (AHAKV_READING, AHAKV_LAYER_BUDGETS and AHAKV_PARALLEL were read and never named: a stale shell
+    variable changed a layout unseen), and the list of those the measuring commands read is exactly cli_eval's."""
+    import re
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    paragraph = readme[readme.index("Engine flags keep llama.cpp's names") : readme.index("An option given overrides")]
+    all_named, measuring = paragraph.split("The measuring commands")
+    read = {m: set(re.findall(r'envvar="(AHAKV_\w+)"', (PACKAGE / f"{m}.py").read_text())) for m in ("cli", "cli_eval")}
+    assert read["cli"] | read["cli_eval"] == set(re.findall(r"AHAKV_\w+", all_named))
+    assert read["cli_eval"] == set(re.findall(r"AHAKV_\w+", measuring))
