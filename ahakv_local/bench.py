@@ -178,7 +178,7 @@ def speed_at_budget(
             kv_observe_steps=setup.observe_steps,
             kv_layer_budgets=layout,
         )
-        models[label] = (llm, tokens[: 2 * budget], lambda llm=llm: llm.kv_controller.live.size)
+        models[label] = (llm, tokens[: 2 * budget], lambda llm=llm: llm.kv_controller.stats.cells_used)
     try:
         times = interleave(
             {name: (lambda m=m: _timed_generate(m[0], m[1], decode_tokens, m[2])) for name, m in models.items()},
@@ -242,7 +242,7 @@ def engine_speed_at_budget(
         for tok in tokens[2 * budget : 2 * budget + decode_tokens]:
             ctl.step(tok)
             # what a budget in cells counts: the cells of a full-attention layer (per-layer layouts: their mean)
-            cells.append(np.mean([g.live.size for g in ctl.groups if not g.window]))
+            cells.append(ctl.stats.cells_used)
         return t1 - t0, time.perf_counter() - t1, float(np.mean(cells))
 
     runs = {label: (lambda b=label: plain_run(b)) for label in BASELINES}
@@ -302,7 +302,9 @@ def _long(
         done = ctx + decode_tokens
         # attached now: a resize of the caches (the adaptive layout) replaces the context an earlier view held
         engine = Engine.attach(llm)
-        used, used_bytes, allocated = engine.n_used(), engine.kv_bytes_used(), engine.kv_bytes()
+        ctl = getattr(llm, "kv_controller", None)  # a budget's cells are a full-attention layer's (per-layer: the mean)
+        used = ctl.stats.cells_used if ctl is not None else engine.n_used()
+        used_bytes, allocated = engine.kv_bytes_used(), engine.kv_bytes()
         prompt_tps, decode_tps = len(segment) / prompt_s, decode_tokens / decode_s
         rows.append(LongRow(label, ctx, prompt_tps, decode_tps, used, used_bytes, allocated, layer_budgets))
     return rows

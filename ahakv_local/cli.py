@@ -497,7 +497,7 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, **engine)
     """Architecture, heads, sliding window, trained context and KV bytes of MODEL, per KV cache for
     swa_full on (llama-cpp-python's default) and off (llama.cpp's own tools: the sliding cache trimmed); with a
     budget, what generate allocates for it with the same options."""
-    from .budget import Budget, check_trained_context, default_layer_budgets
+    from .budget import Budget, default_layer_budgets
     from .info import BudgetAllocation, describe, read_info
     from .models import resolve_model
     from .session import SessionSpec
@@ -517,7 +517,6 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, **engine)
     if budget is None:
         click.echo(describe(model_info, ctx_size, ubatch_size, None))
         return
-    check_trained_context(budget, model_info.n_ctx_train)  # what generate refuses is not stated as allocated
     # what generate and serve allocate for that budget (Llama.__init__'s plan: their chunk, a question's room, their
     # K/V type, the layout for where their layers run)
     layer_budgets = layer_budgets or default_layer_budgets(
@@ -534,13 +533,7 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, **engine)
         reading=engine["reading"],
         kv_type=kv_type,
     )
-    plan = spec.plan_on(path, context, BUDGETED_BATCH, BUDGETED_BATCH)
-    if plan.allocation is None:  # a shared ratio or auto budget: llama.cpp's own cache of -c cells
-        cells = (model_info.caches(context, swa_full=True)[0].cells,) * model_info.n_layer
-    else:
-        cells = plan.layer_cells
-    full = [c for c, sliding in zip(cells, model_info.layer_sliding, strict=True) if not sliding]
-    plan.spec.check_plan_on(path, plan, min(full or cells))  # what generate refuses
+    plan, cells = spec.check_drop_in(path, context, BUDGETED_BATCH, BUDGETED_BATCH)  # what generate refuses
     room = (
         "" if not plan.spec.room(plan.chunk) else ROOMS.get(plan.spec.reading, f"a {plan.spec.reading} reading's room")
     )

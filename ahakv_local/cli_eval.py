@@ -16,12 +16,10 @@ from .errors import AhakvError
 from .extras import require
 from .info import KV_CACHE_TYPES
 from .native import MAX_THREADS
-from .textfile import read_text
+from .textfile import LICENSES, license_files, read_text
 
 Count = click.IntRange(min=0)  # click reports a value outside the range in one line, with the option's name
 Positive = click.IntRange(min=1)
-
-LICENSES = Path("/usr/share/common-licenses")
 
 
 def rpc_option(f, every_layer: bool = False):
@@ -638,7 +636,20 @@ def bench_speed(
         raise bad_value("--long-context", f"checkpoints of at least 1 token, not {long_context!r}")
     evict_every, observe = parse_schedule(evict_every, observe_steps)
     trained = read_info(path).n_ctx_train
-    if long_points:  # the long run's policy and budget fail now, not after the speed runs
+    # every run's budget, policy and layout fail now, not after the baselines loaded or the speed tables ran: each
+    # run opens the drop-in (n_ctx 512, chunks of BATCH), which reads 2x the budget and decodes past it
+    if trained and 2 * budget + decode_tokens > trained:
+        raise AhakvError(
+            f"budget {budget} reads {2 * budget} tokens before it decodes {decode_tokens}: past the model's trained "
+            f"context of {trained}; give a smaller --budget or --decode-tokens"
+        )
+    for name in names:
+        for layout in layouts:
+            spec = SessionSpec.bounded(
+                name, budget, evict_every=evict_every, observe_steps=observe, layer_budgets=layout
+            )
+            spec.check_drop_in(path, 512, BATCH, BATCH)
+    if long_points:
         long_spec = SessionSpec.bounded(
             long_policy,
             long_budget or budget,
@@ -647,8 +658,8 @@ def bench_speed(
             layer_budgets=product_layout(path, n_gpu_layers),  # the drop-in's, which the long run opens
             reading="query",  # as the drop-in reads by default: a guided reading's room on top of the budget
         )
-        long_spec.check_floor_on(path, BATCH, trained)
-    files = list(text_files) or sorted(str(p) for p in LICENSES.iterdir() if not p.is_symlink())
+        long_spec.check_drop_in(path, 512, BATCH, BATCH)
+    files = list(text_files) or [str(p) for p in license_files("--text FILE")]
     ids = text_tokens(path, "\n".join(read_text(f) for f in files))
     setup = SpeedSetup(
         budget,

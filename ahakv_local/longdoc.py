@@ -33,8 +33,8 @@ import numpy as np
 from .budget import Budget
 from .engine import Engine
 from .session import SessionSpec, open_session
+from .textfile import license_files
 
-LICENSES = Path("/usr/share/common-licenses")
 TASKS = ("single", "multikey", "multivalue", "vartrack", "fact")
 # greedy tokens decoded for each task's answer (digits are single tokens for Gemma's tokenizer)
 ANSWER_TOKENS = {"single": 8, "multikey": 8, "multivalue": 24, "vartrack": 24, "fact": 6}
@@ -134,8 +134,8 @@ def score_answer(task: str, expected: Sequence[str], answer: str, wrong: Collect
 
 def default_filler_files() -> list[Path]:
     """GPL-3, then every other license text (no links), in name order."""
-    rest = sorted(p for p in LICENSES.iterdir() if p.is_file() and not p.is_symlink() and p.name != "GPL-3")
-    return [LICENSES / "GPL-3", *rest]
+    files = license_files("--filler FILE")
+    return sorted(files, key=lambda p: p.name != "GPL-3")  # (stable: the rest stay in name order)
 
 
 class Filler:

@@ -34,18 +34,29 @@ def provenance(model: Path, text: str, tokens: int) -> dict:
     }
 
 
-# every figure a report writes: a run into the folder of another command's leaves none of the other's beside its own
+# every figure a report writes (results.json's config names the one it wrote)
 FIGURES = ("ppl_vs_budget.png", "accuracy.png", "long_run.png")
+
+
+def _figure_before(out: Path) -> str | None:
+    """The figure the report already in ``out`` wrote, as its results.json names it (None: no report of ours)."""
+    try:
+        named = json.loads((out / "results.json").read_text())["config"].get("figure")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return named if named in FIGURES else None
 
 
 def _write(
     out: Path, meta: dict, rows: list[dict], fields: list[str], lines: list[str], figure: str | None = None
 ) -> None:
-    """results.json/.csv/.md under ``out``, and no figure but this run's (``figure``, written by the caller)."""
+    """results.json/.csv/.md under ``out``, and no figure but this run's (``figure``, written by the caller): a run
+    into the folder of another command removes the figure that command's report wrote there (it described results
+    no longer there), and nothing else: a file of the user's of the same name stays."""
     out.mkdir(parents=True, exist_ok=True)
-    for name in FIGURES:
-        if name != figure:
-            (out / name).unlink(missing_ok=True)
+    if (before := _figure_before(out)) not in (None, figure):
+        (out / before).unlink(missing_ok=True)
+    meta = meta | {"figure": figure}
     (out / "results.json").write_text(json.dumps({"config": meta, "results": rows}, indent=1))
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")

@@ -28,6 +28,7 @@ from .budget import (
     Reading,
     allocate,
     check_layer_budgets,
+    check_trained_context,
     default_evict_every,
     guide_room,
     kv_type_for,
@@ -217,6 +218,25 @@ class SessionSpec:
         )
         check_floor(config, layout, allocation, self.budget)
         fit_to_cells(self.budget, cells, plan.chunk, config, reach)
+
+    def check_drop_in(
+        self, model: str | Path, n_ctx: int, n_batch: int, n_ubatch: int
+    ) -> tuple[CachePlan, tuple[int, ...]]:
+        """Everything the drop-in (``Llama(n_ctx=, n_batch=, n_ubatch=)``) refuses for this spec, before any engine
+        opens: a cell budget past the trained context, the K/V type (``plan_on``) and what its controller refuses on
+        the plan's caches (``check_plan_on``). Returns the plan and each layer's cells (``info`` states them;
+        ``bench speed`` checks each of its runs before the first)."""
+        info = read_info(Path(model))
+        check_trained_context(self.budget, info.n_ctx_train)
+        plan = self.plan_on(model, n_ctx, n_batch, n_ubatch)
+        if plan.allocation is None:  # a shared ratio or auto budget: llama.cpp's own cache of n_ctx cells
+            context = min(n_ctx or info.n_ctx_train, info.n_ctx_train)
+            cells = (info.caches(context, swa_full=True)[0].cells,) * info.n_layer
+        else:
+            cells = plan.layer_cells
+        full = [c for c, sliding in zip(cells, info.layer_sliding, strict=True) if not sliding]
+        plan.spec.check_plan_on(model, plan, min(full or cells))
+        return plan, cells
 
     def check_floor_on(self, model: str | Path, chunk: int, longest: int) -> None:
         """Refuse, before any engine opens, a budget that leaves a layer group of ``model`` too few cells for its

@@ -9,6 +9,9 @@ from typing import BinaryIO
 
 from .errors import AhakvError
 
+# the measuring commands' default texts: real text no one here wrote, shipped by Debian's and Ubuntu's base-files
+LICENSES = Path("/usr/share/common-licenses")
+
 # far more text than any model's context holds (a million tokens of English is ~4 MiB); /dev/zero would otherwise be
 # read until the memory runs out
 MAX_TEXT_BYTES = 64 << 20
@@ -50,3 +53,15 @@ def last_paragraph(text: str) -> str:
     prompt is read with when none is given (the drop-in, the parallel server)."""
     paragraphs = re.split(r"\n[ \t]*\n", text.replace("\r\n", "\n").replace("\r", "\n"))
     return next((p for p in reversed(paragraphs) if p.strip()), "")
+
+
+def license_files(option: str) -> list[Path]:
+    """The license texts of ``LICENSES`` (no links), in name order; where the system has none (macOS, Fedora,
+    Arch), one line naming ``option``, the way to give a text instead."""
+    try:
+        files = sorted(p for p in LICENSES.iterdir() if p.is_file() and not p.is_symlink())
+    except OSError:
+        files = []
+    if not files:
+        raise AhakvError(f"no texts in {LICENSES} (Debian's and Ubuntu's base-files ship them): give {option}")
+    return files

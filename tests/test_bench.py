@@ -215,3 +215,92 @@ def test_a_long_budget_the_drop_in_refuses_is_refused_before_the_speed_runs(gemm
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "bench speed (generate)" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: budget 2 MiB allocates")
+
+
+def test_the_default_texts_missing_is_one_line(fixture_model, tmp_path, monkeypatch):
+    """bench speed and eval longdoc read every license text of /usr/share/common-licenses by default, which only
+    Debian's and Ubuntu's base-files ship: elsewhere (macOS, Fedora) bench speed ended in a FileNotFoundError
+    traceback. One line names the option that gives a text instead."""
+    from click.testing import CliRunner
+
+    from ahakv_local import textfile
+    from ahakv_local.cli import main
+
+    monkeypatch.setattr(textfile, "LICENSES", tmp_path / "common-licenses")  # not there
+    commands = {
+        "--text FILE": ["bench", "speed", str(fixture_model), "--budget", "64", "--long-context", ""],
+        "--filler FILE": [
+            "eval",
+            "longdoc",
+            str(fixture_model),
+            "--lengths",
+            "1024",
+            "--compressions",
+            "4",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+    }
+    for option, args in commands.items():
+        result = CliRunner().invoke(main, args)
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 1 and lines[-1] == (
+            f"error: no texts in {tmp_path / 'common-licenses'} (Debian's and Ubuntu's base-files ship them): "
+            f"give {option}"
+        ), result.output
+    (tmp_path / "common-licenses").mkdir()  # there, and empty: the same line
+    with pytest.raises(textfile.AhakvError, match="give --text FILE$"):
+        textfile.license_files("--text FILE")
+    (tmp_path / "common-licenses" / "GPL-3").write_text("a")
+    (tmp_path / "common-licenses" / "Apache-2.0").write_text("b")
+    assert [p.name for p in textfile.license_files("x")] == ["Apache-2.0", "GPL-3"]
+
+
+def test_live_cells_are_a_full_attention_layer_s_in_every_layout(tmp_path):
+    """A budget in cells counts a full-attention layer's cells (per-layer layouts: their mean, ``ControllerStats``).
+    The generate table and the long run read the first layer's instead: pyramid at 128 cells showed 174 live cells
+    in one table and 110 in the other. Both tables now hold the budget between evictions: budget - period + 1 to
+    budget (the known answer of an eviction every 4 tokens)."""
+    model = fixture_path(FixtureSpec(arch="gemma3", n_ctx_train=512, n_layer=4))  # two full-attention layers
+    out = tmp_path / "lay"
+    proc = bench(str(model), "--budget", "128", "--policies", "streaming", "--layer-budgets", "pyramid,adaptive",
+                 "--decode-tokens", "8", "--rounds", "1", "--evict-every", "4", "--long-context", "300",
+                 "--long-budget", "128", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((out / "results.json").read_text())["results"]
+    policy_rows = [r for r in rows if r["table"] in ("generate", "engine") and r["label"].startswith("streaming")]
+    assert len(policy_rows) == 4
+    cells = [(r["table"], r["label"], r["live_cells"]) for r in policy_rows]
+    assert all(128 - 4 + 1 <= c <= 128 for *_, c in cells), cells
+    budgeted = [r for r in rows if r["table"] == "long" and r["label"].startswith("ahakv")]
+    assert budgeted and all(r["kv_cells_used"] <= 128 + 4 for r in budgeted), budgeted
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--budget", "300", "--decode-tokens", "8"], "budget 300 reads 600 tokens before it decodes 8: past the "
+         "model's trained context of 512; give a smaller --budget or --decode-tokens"),
+        (["--budget", "10"], "budget 10 is smaller than sinks + recent + newest (4 + 32 + 1)"),
+        (["--budget", "64", "--long-budget", "600", "--long-context", "100"], "budget 600 cells exceeds the model's "
+         "trained context of 512 positions, so nothing would ever be evicted: use a smaller budget, or none for the "
+         "full cache"),
+        (["--budget", "64", "--long-policy", "full", "--long-context", "100"], "policy full keeps every token: these "
+         "caches hold 129 cells, not the 512 positions the context reaches (open it without a budget for the full "
+         "cache)"),
+    ],
+)  # fmt: skip
+def test_a_run_that_would_fail_is_refused_before_the_baselines_load(args, message, monkeypatch):
+    """A budget or decode past the trained context ended in a traceback from the drop-in; a long run's budget or
+    policy, and a budget below the protected tokens, were refused after the baselines loaded, or after both speed
+    tables had run (minutes). Each is one line now, before any model is opened."""
+    from click.testing import CliRunner
+
+    from ahakv_local import bench as bench_module
+    from ahakv_local.cli import main
+
+    model = fixture_path(FixtureSpec(arch="gemma3", n_ctx_train=512))
+    for name in ("speed_at_budget", "engine_speed_at_budget", "long_run"):
+        monkeypatch.setattr(bench_module, name, lambda *a, **k: pytest.fail("a run started"))
+    result = CliRunner().invoke(main, ["bench", "speed", str(model), "--policies", "h2o", *args])
+    assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == f"error: {message}", result.output

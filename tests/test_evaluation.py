@@ -249,8 +249,11 @@ def test_a_row_equal_to_the_reference_has_kl_zero_never_below():
 def test_eval_ppl_command_writes_every_output(fixture_model, tmp_path):
     out = tmp_path / "eval"
     out.mkdir()
-    (out / "accuracy.png").write_bytes(b"an earlier eval longdoc's figure")  # another command's, into this folder
+    # an earlier eval longdoc's report in this folder, and the user's files, one named like another report's figure
+    (out / "results.json").write_text(json.dumps({"config": {"figure": "accuracy.png"}, "results": []}))
+    (out / "accuracy.png").write_bytes(b"an earlier eval longdoc's figure")
     (out / "notes.txt").write_text("the user's")
+    (out / "long_run.png").write_bytes(b"the user's own picture")
     proc = subprocess.run(
         [
             sys.executable,
@@ -287,8 +290,11 @@ def test_eval_ppl_command_writes_every_output(fixture_model, tmp_path):
     assert (out / "results.csv").read_text().count("\n") == 6
     assert "| ahakv | 80 cells |" in (out / "results.md").read_text()
     assert (out / "ppl_vs_budget.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # no figure of another run beside this one's results (it described results no longer there); the user's files stay
+    # no figure of another run beside this one's results (it described results no longer there); the user's files
+    # stay, whatever their names (bench speed deleted a user's long_run.png, which no report had written)
     assert not (out / "accuracy.png").exists() and (out / "notes.txt").read_text() == "the user's"
+    assert (out / "long_run.png").read_bytes() == b"the user's own picture"
+    assert data["config"]["figure"] == "ppl_vs_budget.png"
     # --tokens cut below the prefix: said so (it read "GPL-3 has only 30 tokens")
     cmd = [sys.executable, "-m", "ahakv_local", "eval", "ppl", str(fixture_model), "--tokens", "30", "--prefix", "32",
            "--budgets", "48", "--out", str(out)]  # fmt: skip
