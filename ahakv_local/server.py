@@ -524,10 +524,13 @@ class ParallelRunner:
         return await respond(job, request)
 
     def _loop(self) -> None:
+        """Admit, step, answer, until the server shuts down: then every waiting request is answered 503 (``Job``
+        stops at the shutdown), every running one ends at its next token, and the thread returns (an app made in
+        a process that goes on, a test's or an embedding app's, kept it polling for the life of the process)."""
         pool = self.pool
-        while True:
+        while not (self.shutdown.is_set() and not pool.active and not self.waiting):
             with self.cond:
-                while not self.waiting and not pool.active:
+                while not self.waiting and not pool.active and not self.shutdown.is_set():
                     self.cond.wait(0.25)
                 admit = []
                 while self.waiting and len(admit) < len(pool.free()):
@@ -672,11 +675,17 @@ def create_app(
     """The app over one ``Llama`` (one request at a time) or a ``SequencePool`` (``--parallel``: one request per
     sequence slot, ``default_query`` the server's reading); setting ``app.state.shutdown`` (a threading.Event)
     stops the generations in progress and every request waiting for the model."""
-    app = FastAPI(title="ahakv-local", version="1")
     if isinstance(llm, SequencePool):
         runner = ParallelRunner(llm, model_name, max_tokens_limit, busy_timeout, max_waiting, default_query)
     else:
         runner = SerialRunner(llm, model_name, max_tokens_limit, busy_timeout, max_waiting)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        runner.shutdown.set()  # the app's server stopped (uvicorn, a TestClient): the scheduler's thread ends too
+
+    app = FastAPI(title="ahakv-local", version="1", lifespan=lifespan)
     app.state.shutdown = runner.shutdown
 
     @app.exception_handler(RequestValidationError)
