@@ -569,8 +569,20 @@ class Engine:
         """Forget every position >= n_past (rewind), so the next token goes to n_past."""
         if not 0 <= n_past <= self.n_past:
             raise ValueError(f"cannot truncate to {n_past}: {self.n_past} positions decoded")
-        self._ctx.kv_cache_seq_rm(self.seq, n_past, -1)
+        if n_past == 0 and not self.shared:
+            self.clear_cells()
+        else:
+            self._ctx.kv_cache_seq_rm(self.seq, n_past, -1)
         self.n_past = n_past
+
+    def clear_cells(self) -> None:
+        """Empty every cache of the context (every sequence's cells), so that the next tokens take their cells from
+        the first, as in a fresh context. Removing a sequence's positions leaves a cache's next slot at its lowest
+        freed cell (a sliding cache's had moved on), so the same prompt met its cells in another order, its float
+        sums rounded otherwise, and near-equal evictions flipped between identical requests. The cells' data stays:
+        every cell is written before it is read."""
+        llama_cpp = self._llama_cpp
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), False)
 
     def evict(self, positions: Sequence[int] | np.ndarray, cache: Cache | None = None) -> int:
         """Remove these positions in one native call: from every cache (``cache=None``), or from one cache only,

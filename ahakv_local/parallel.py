@@ -4,8 +4,9 @@ own controller (live positions, budget, policy), and one ``llama_decode`` per st
 
 A ``SequencePool`` is driven by one thread (the server's scheduler): ``start`` reads a new request's prompt
 into a free slot (the other sequences wait meanwhile), ``step`` decodes one token for each active one. Each
-slot reads its prompt from a fresh policy, as the one-at-a-time ``Llama`` does, so a greedy answer does not
-depend on the requests before it.
+slot reads its prompt from a fresh policy, as the one-at-a-time ``Llama`` does, and a request alone in the context
+from its first cell, so a greedy answer does not depend on the requests before it (beside others, a sequence's cells
+sit among theirs: its float sums meet them in another order).
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ class SequencePool:
             raise AhakvError(f"the prompt has {len(gen.prompt)} tokens, past the model's {self.engine.n_ctx_train}")
         ctl.configure(budget, policy)
         ctl.truncate(0)
+        if not self.active:  # alone in the context (every finished slot's cells are gone: _drop): from its first cell
+            self.engine.clear_cells()
         ctl.restart_stats()  # the figures of this request
         self.active[seq] = gen
         self._counts[seq] = Counter()

@@ -537,3 +537,36 @@ def test_the_scheduler_thread_ends_with_the_app_s_server(fixture_model):
         thread.join(timeout=10)
         scheduler.join(timeout=5)
         assert not thread.is_alive() and not scheduler.is_alive()
+
+
+def test_a_request_alone_in_the_pool_meets_its_cells_as_the_first_did(license_text):
+    """A parallel server's request alone in its context, after others have come and gone: its cells start where the
+    first request's did (the context emptied, ``Engine.clear_cells``), so every cell map and answer is the first
+    one's (the sliding cache's next slot stayed where the last request's lowest cell was: other cells, other float
+    sums, and on Gemma 3 near-equal evictions that flip)."""
+    from ahakv_local.fixture import FixtureSpec
+    from ahakv_local.models import fixture_path
+
+    model = fixture_path(FixtureSpec(arch="gemma3"))  # a sliding cache: layer 0 slides over 24 positions
+    spec = SessionSpec.bounded("h2o", 128, n_recent=8, reading="plain")
+    cells = SequencePool.context_cells(spec.budget, 2, 64, 0)
+    with Engine(model, EngineConfig(n_ctx=cells, n_batch=64, n_ubatch=64, n_seq=2)) as e:
+        pool = SequencePool(e, spec)
+        tokens = e.tokenize(license_text)
+        maps: list = []
+
+        def run(prompt) -> list[int]:
+            gen = Generation(prompt, Sampling(max_tokens=30, temperature=0), lambda t, f: None)
+            pool.start(gen)
+            maps.append([[e.cell_positions(il).copy() for il in range(e.n_layer)]])
+            while pool.active:
+                pool.step()
+                maps[-1].append([e.cell_positions(il).copy() for il in range(e.n_layer)])
+            return gen.tokens
+
+        first = run(tokens[:300])
+        run(tokens[300:700])  # another request, alone too: its cells, then gone
+        again = run(tokens[:300])
+    assert again == first
+    for step, (a, b) in enumerate(zip(maps[0], maps[2], strict=True)):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True)), f"step {step}"

@@ -87,6 +87,39 @@ def test_a_bounded_session_holds_its_budget_and_reset_replays_it(fixture_model, 
         assert np.array_equal(session.engine.live_positions(), kept) and np.array_equal(again, first)
 
 
+@pytest.mark.parametrize("layer_budgets", ["shared", "natural"])
+def test_a_new_sequence_meets_its_cells_as_in_a_fresh_context(license_text, layer_budgets):
+    """A sequence read again after another (a server's next request, the drop-in's rewind to 0): the sliding cache's
+    next slot stayed at the old sequence's lowest cell, so the same prompt sat in other cells, its float sums met
+    them in another order, and on Gemma 3 near-equal H2O evictions flipped between identical greedy requests (the
+    shared pool: answers alternating between two texts). Now every cell map, the live positions and the logits
+    are a fresh session's to the bit."""
+    from ahakv_local.fixture import FixtureSpec
+    from ahakv_local.models import fixture_path
+
+    model = fixture_path(FixtureSpec(arch="gemma3"))  # layer 0 slides over 24 positions, layer 1 attends to all
+    with Engine(model, EngineConfig(n_ctx=256)) as e:
+        tokens = e.tokenize(license_text)[:400]
+    spec = SessionSpec.bounded("h2o", 64, n_recent=8, layer_budgets=layer_budgets)
+
+    def read(session) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        logits = session.controller.prefill(tokens[:150])
+        maps = [session.engine.cell_positions(il) for il in range(session.engine.n_layer)]
+        return logits, session.controller.live.copy(), maps
+
+    with open_session(model, spec, longest=len(tokens), n_ubatch=64) as fresh:
+        expected = read(fresh)
+    with open_session(model, spec, longest=len(tokens), n_ubatch=64) as session:
+        session.controller.prefill(tokens[40:340])  # another sequence first: its cells, then gone
+        for t in tokens[340:360]:
+            session.controller.step(t)
+        session.controller.truncate(0)
+        got = read(session)
+    assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
+    for il, (a, b) in enumerate(zip(got[2], expected[2], strict=True)):
+        assert np.array_equal(a, b), f"layer {il}: cells {np.flatnonzero(a != b)[:8]}"
+
+
 def test_evaluation_labels_are_unique(fixture_model):
     with pytest.raises(ValueError, match="unique"):
         evaluate(fixture_model, list(range(10)), [SessionSpec.bounded("h2o", 64)] * 2)
