@@ -185,6 +185,7 @@ class ChatSession:
         """Restore a chat saved with /save; a file that is not one (or of another model) changes nothing."""
         pin = []  # the loaded system prompt's span, checked before the cache is touched
         messages, system = load_chat(path, self.llm, accept=lambda system: pin.append(self._system_span(system)))
+        keep_transcript(self)  # the conversation it replaces, as on exit (it was lost when not /save'd first)
         self.messages, self.system = messages, system
         if self.llm.kv_controller is not None:
             self.llm.kv_controller.config.pinned = pin[0]
@@ -347,17 +348,19 @@ def _repl(session: ChatSession) -> None:
             click.echo(msg, err=True)
             continue
         t0 = time.perf_counter()
-        with StopOnInterrupt() as stop:  # the first Ctrl-C stops the answer, a second one exits
+        # the first Ctrl-C stops the answer, a second one exits; to the stats line, so that one landing as the answer
+        # ends is a first one too (it quit the chat there)
+        with StopOnInterrupt() as stop:
             try:
                 session.answer(text, out, stop)
             except (AhakvError, ValueError) as exc:  # e.g. the trained context is full
                 click.echo(f"\nerror: {exc}", err=True)
-        out.write("\n")
-        out.flush()
-        if stop():
-            click.echo("[answer stopped]", err=True)
-            interrupted = True
-        click.echo(session.stats_line() + f" {time.perf_counter() - t0:.1f} s", err=True)
+            out.write("\n")
+            out.flush()
+            if stop():
+                click.echo("[answer stopped]", err=True)
+                interrupted = True
+            click.echo(session.stats_line() + f" {time.perf_counter() - t0:.1f} s", err=True)
 
 
 def kv_size(n: int) -> str:

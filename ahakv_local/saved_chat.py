@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import tempfile
 import zipfile
 from collections.abc import Callable
@@ -73,6 +74,8 @@ def kv_cache_kind(llm) -> dict[str, Any]:
 def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None:
     """Write the conversation and its cache; a half-written file never replaces a good one, and a file that is not
     a saved chat (a user's notes given by mistake) is never replaced at all."""
+    # through a link, the file it names is the saved chat (replacing the link left that file stale)
+    path = Path(os.path.realpath(path))
     # a device or a pipe is no saved chat either (/save /dev/null, as root, replaced the device with a file)
     if path.exists() and not path.is_dir() and not (path.is_file() and _is_saved_chat(path)):
         raise AhakvError(f"{path} exists and is not a saved chat: not replaced (give another name)")
@@ -97,18 +100,22 @@ def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None
     }
     tmp = None
     try:
+        # mkstemp's file is private (0600): a new saved chat is as any file written, one replaced keeps its mode
+        mode = stat.S_IMODE(path.stat().st_mode) if path.is_file() else 0o666 & ~_umask()
         # a new file of its own (a fixed "FILE.tmp" replaced a user's file of that name, or wrote through a link)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED) as z:
             z.writestr("chat.json", json.dumps(meta, ensure_ascii=False))
             z.writestr("state.bin", state.llama_state)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's file is private (0600); a saved chat is as any file written
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except OSError as exc:  # a missing folder, no permission, a full disk: one line, and no half-written file left
+        tmp = None
+    except OSError as exc:  # a missing folder, no permission, a full disk: one line
+        raise AhakvError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:  # and no half-written file left, whatever ended the write (SIGTERM mid-/save is a SystemExit)
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        raise AhakvError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def _umask() -> int:
@@ -140,7 +147,9 @@ def load_chat(
         stored = kind.get("type_k") if kind.get("type_k") in KV_CACHE_TYPES else "other"
         how = "flash attention on" if kind.get("flash_attn") else "flash attention off"
         raise AhakvError(f"{path} was saved in KV caches of {stored}, {how}{_how_to_load(meta, llm)}")
-    if (cells is None) != (kv is None):  # a budget's caches into the full cache's, or back: llama.cpp would refuse it
+    # a budget's caches into the full cache's, or back: llama.cpp would refuse it. A file written before the caches
+    # were recorded names none (not "the full cache"): llama.cpp checks its caches as it reads
+    if "cache_cells" in meta and (cells is None) != (kv is None):
         how = "without a budget (the full cache)" if cells is None else "in caches laid out for a budget"
         raise AhakvError(f"{path} was saved {how}{_how_to_load(meta, llm)}")
     if cells is not None and kv is not None and not kv.takes_sizes(cells):
@@ -173,7 +182,7 @@ def _how_to_load(meta: dict, llm) -> str:
     layout = meta.get("layer_budgets")
     if layout in LAYER_BUDGETS and kv is not None and layout != kv.config.layer_budgets:
         options.append(f"--layer-budgets {layout}")
-    if meta.get("cache_cells") is None and kv is not None:  # the full cache's: no budget (--policy full alone is
+    if "cache_cells" in meta and meta["cache_cells"] is None and kv is not None:  # the full cache's (--policy full is
         options.append("--budget none")  # refused beside a --budget given on the command line)
     elif _a_name(policy) and policy != "full" and policy != (kv.policy.name if kv is not None else "full"):
         options.append(f"--policy {policy}")

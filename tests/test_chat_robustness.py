@@ -772,3 +772,112 @@ def test_a_budget_set_right_after_a_policy_is_held_at_once(tmp_path):
         assert g3.llm.kv_engine.kv_bytes() <= 100 * 1024
     finally:
         g3.llm.close()
+
+
+def test_a_save_keeps_the_replaced_file_s_mode_and_writes_through_a_link(chat, tmp_path):
+    """/save over a saved chat made private (0600) made it world-readable (mkstemp's file, then the umask's mode);
+    /save through a link replaced the link with a file and left the chat it named stale."""
+    talk(chat, "hello")
+    private = tmp_path / "private.chat"
+    command(chat, "/save", str(private))
+    private.chmod(0o600)
+    talk(chat, "a secret")
+    command(chat, "/save", str(private))
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600
+    assert len(json.loads(zipfile.ZipFile(private).read("chat.json"))["messages"]) == len(chat.messages)
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "project.chat"
+    command(chat, "/save", str(target))
+    link = tmp_path / "current.chat"
+    link.symlink_to(target)
+    talk(chat, "one more")
+    command(chat, "/save", str(link))
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert len(json.loads(zipfile.ZipFile(target).read("chat.json"))["messages"]) == len(chat.messages)
+    dangling = tmp_path / "next.chat"
+    dangling.symlink_to(tmp_path / "real" / "next.chat")  # names a file not written yet: /save writes it
+    command(chat, "/save", str(dangling))
+    assert dangling.is_symlink() and (tmp_path / "real" / "next.chat").is_file()
+
+
+def test_a_save_ended_by_a_signal_leaves_no_temporary_file(chat, tmp_path, monkeypatch):
+    """SIGTERM or SIGHUP during /save ends the chat with SystemExit (ExitOnHangup): the half-written temporary file
+    stayed in the user's folder (only an OSError removed it)."""
+    talk(chat, "hello")
+    real = zipfile.ZipFile.writestr
+
+    def hangup(self, name, data, *a, **k):
+        if name == "state.bin":
+            raise SystemExit(143)  # what ExitOnHangup raises, mid-write
+        return real(self, name, data, *a, **k)
+
+    monkeypatch.setattr(zipfile.ZipFile, "writestr", hangup)
+    with pytest.raises(SystemExit):
+        command(chat, "/save", str(tmp_path / "big.chat"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_keeps_the_conversation_it_replaces(chat, tmp_path, monkeypatch):
+    """/load replaced the running conversation, which was never written anywhere (the transcript is written on
+    exit, of the conversation then): it is kept as on exit before the loaded one takes its place."""
+    monkeypatch.setenv("AHAKV_CACHE_DIR", str(tmp_path / "cache"))
+    talk(chat, "first chat")
+    command(chat, "/save", str(tmp_path / "first.chat"))
+    command(chat, "/reset", "")
+    talk(chat, "call Bob at 5")  # never saved
+    command(chat, "/load", str(tmp_path / "first.chat"))
+    kept = [json.loads(p.read_text()) for p in (tmp_path / "cache" / "chats").iterdir()]
+    assert [[m["content"] for m in k if m["role"] == "user"] for k in kept] == [["call Bob at 5"]]
+    assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["first chat"]
+
+
+def test_a_chat_saved_before_the_caches_were_recorded_loads(fixture_model, tmp_path):
+    """A version-1 file written before cache_cells (and the budget, layout and policy beside it) were recorded was
+    taken for a chat without a budget: refused, with advice (--budget none) that then failed in llama.cpp. It names
+    no caches: it loads into these, llama.cpp checking them as it reads."""
+    s = session(fixture_model)
+    try:
+        talk(s, "hello there")
+        path = tmp_path / "old.chat"
+        s.save(path)
+        with zipfile.ZipFile(path) as z:
+            meta, blob = json.loads(z.read("chat.json")), z.read("state.bin")
+        for key in ("cache_cells", "budget", "layer_budgets", "policy", "kv_cache"):
+            del meta[key]
+        old = tmp_path / "older.chat"
+        with zipfile.ZipFile(old, "w") as z:
+            z.writestr("chat.json", json.dumps(meta))
+            z.writestr("state.bin", blob)
+        before = list(s.messages)
+        command(s, "/reset", "")
+        assert s.load(old).startswith("loaded") and s.messages == before
+    finally:
+        s.llm.close()
+
+
+def test_a_first_ctrl_c_as_an_answer_ends_does_not_quit(chat, monkeypatch, capsys):
+    """A Ctrl-C landing between the answer's last token and the stats line (writing the newline, the line itself)
+    was outside the answer's StopOnInterrupt: a KeyboardInterrupt, and the chat quit on a first Ctrl-C."""
+    import signal
+
+    from ahakv_local import chat as chat_module
+
+    said = iter([("hello", False, 1)])
+
+    def read_message(prompt):
+        try:
+            return next(said)
+        except StopIteration:
+            raise EOFError from None
+
+    line = chat.stats_line
+
+    def stats_line() -> str:  # the Ctrl-C arrives as the stats line is made
+        os.kill(os.getpid(), signal.SIGINT)
+        return line()
+
+    monkeypatch.setattr(chat_module, "read_message", read_message)
+    monkeypatch.setattr(chat_module, "setup_history", lambda: None)
+    monkeypatch.setattr(chat, "stats_line", stats_line)
+    chat_module._repl(chat)  # returns at the end of input: no KeyboardInterrupt
+    assert len(chat.messages) == 3 and "seen" in capsys.readouterr().err  # the answer and its stats line
