@@ -287,16 +287,10 @@ def load_llama(
     from .policies import make_policy
 
     # the user's own mistakes first, before the model is assembled or read
-    guidable = make_policy(policy).reads_with_query  # (a clear error for an unknown policy)
+    make_policy(policy)  # (a clear error for an unknown policy)
     budget = asked_budget(budget, policy)
-    asked_reading = source("reading") is ParameterSource.COMMANDLINE  # not the default: refused, not dropped
-    if budget is not None and asked_reading and reading in ("query", "reconstruct") and not guidable:
-        from .policies import query_readers
-
-        raise AhakvError(
-            f"--reading {reading} needs a policy a question can guide ({query_readers()}), not {policy}: "
-            "read with --reading plain or surprisal"
-        )
+    if budget is not None:
+        refuse_unguided_reading(policy, reading)
     if budget is not None and batch_size == 1 and reading != "plain" and given("reading"):
         # a prompt read a token at a time is decode steps: no question or reconstruction guides it (it was ignored)
         raise AhakvError(f"--reading {reading} guides a prompt read in chunks: --batch-size 1 reads a token at a time")
@@ -581,17 +575,35 @@ def serve(model, host, port, max_tokens_limit, parallel, **engine) -> None:
     run_server(app, sock)
 
 
+def refuse_unguided_reading(policy: str, reading: str) -> None:
+    """--reading query or reconstruct asked on the command line (not the default) for a policy no question guides:
+    refused in one line, as the server refuses a request's kv_query (it was read plainly, silently)."""
+    from .policies import make_policy, query_readers
+
+    asked = source("reading") is ParameterSource.COMMANDLINE
+    if asked and reading in ("query", "reconstruct") and not make_policy(policy).reads_with_query:
+        raise AhakvError(
+            f"--reading {reading} needs a policy a question can guide ({query_readers()}), not {policy}: "
+            "read with --reading plain or surprisal"
+        )
+
+
 def load_pool(
     model, parallel, ctx_size, budget, policy, sinks, recent, error_tol, evict_every, observe_steps, threads,
     n_gpu_layers, batch_size, reading="query", layer_budgets=None, rpc=None, **extra,
 ):  # fmt: skip
     """``parallel`` sequence slots of one context for ``serve --parallel``; every user mistake is an AhakvError."""
     from .budget import Budget, parse_schedule
+    from .policies import make_policy
     from .session import SessionSpec
 
     budget = asked_budget(budget, policy)
     if budget is None or Budget.parse(budget).mode != "cells":
         raise AhakvError("--parallel needs --budget in cells: each sequence holds its own budget in one context")
+    if not make_policy(policy).evicts:  # (it started, then refused every request that named no kv_policy)
+        raise AhakvError(f"--parallel needs a policy that evicts: {policy} keeps every token, and each sequence "
+                         "holds at most its budget in the context they share")  # fmt: skip
+    refuse_unguided_reading(policy, reading)
     if layer_budgets not in (None, "shared"):  # its default: the sequences of one context share one pool each
         raise AhakvError("--parallel needs --layer-budgets shared")
     if extra.get("kv_type") not in (None, KV_TYPE_AUTO, "f16"):  # auto: f16 for a budget in cells

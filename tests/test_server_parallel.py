@@ -336,6 +336,17 @@ def test_parallel_needs_a_cell_budget_and_f16(fixture_model):
     cmd[-1] = "96"
     out = subprocess.run([*cmd, "--kv-type", "q8_0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].endswith("drop --kv-type q8_0")
+    # a policy that keeps every token started, then answered every request naming no kv_policy with a 400; a reading
+    # its policy cannot take was dropped (the one-at-a-time server refuses both at startup)
+    refused = {
+        ("--policy", "full"): "error: --parallel needs a policy that evicts: full keeps every token, and each "
+        "sequence holds at most its budget in the context they share",
+        ("--policy", "h2o", "--reading", "reconstruct"): "error: --reading reconstruct needs a policy a question can "
+        "guide (tova, snapkv, ahakv), not h2o: read with --reading plain or surprisal",
+    }
+    for args, message in refused.items():
+        out = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and out.stderr.strip().splitlines() == [message], out.stderr
 
 
 # -- Gemma -----------------------------------------------------------------------------------------------------
