@@ -12,6 +12,7 @@ on a fresh environment with a cached wheel it only installs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -100,23 +101,36 @@ X86_ISA = re.compile(r"^(sse\w*|ssse3|avx\w*|fma\w*|f16c|bmi\d|amx\w*|\w*vnni\w*
                      r"sha_ni|gfni|vaes|vpclmulqdq|adx)$")  # fmt: skip
 
 
+@functools.cache
 def cpu_features() -> str:
-    """The instruction sets of this machine's CPU as a native build sees them (Linux: /proc/cpuinfo; elsewhere the
-    processor's name, which is what the OS offers without a compiler run)."""
+    """The instruction sets of this machine's CPU as a native build sees them: Linux's /proc/cpuinfo, macOS's sysctl
+    (an Intel Mac's feature lists, an Apple chip's name: M1 and M2 differ in what -mcpu=native uses), elsewhere the
+    processor's name (Windows': family, model and stepping). Read once per process: a key must not change within
+    a build."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor() or platform.machine()
+        text = ""
     for line in text.splitlines():
         name, _, value = line.partition(":")
         if name.strip() in ("flags", "Features"):  # x86, ARM
             words = value.split()
             return " ".join(sorted(w for w in words if name.strip() == "Features" or X86_ISA.match(w)))
+    if sys.platform == "darwin":
+        keys = ["machdep.cpu.brand_string", "machdep.cpu.features", "machdep.cpu.leaf7_features"]
+        try:  # (an Apple chip has no feature lists: sysctl names the ones it lacks on stderr)
+            out = subprocess.run(["sysctl", "-n", *keys], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        if out.strip():
+            return " ".join(out.split())
     return platform.processor() or platform.machine()
 
 
+@functools.cache
 def cuda_architectures() -> str:
-    """The compute capabilities of this machine's NVIDIA GPUs (what CMAKE_CUDA_ARCHITECTURES=native compiles for)."""
+    """The compute capabilities of this machine's NVIDIA GPUs (what CMAKE_CUDA_ARCHITECTURES=native compiles for),
+    read once per process."""
     try:
         query = ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"]
         proc = subprocess.run(query, capture_output=True, text=True, timeout=30)
@@ -126,12 +140,13 @@ def cuda_architectures() -> str:
 
 
 def host_fingerprint(cmake_args: tuple[str, ...]) -> str:
-    """What the library is compiled for beyond its flags: the CPU's instruction sets where GGML_NATIVE is on
-    (ggml's default: -march=native), the GPUs' compute capabilities for a CUDA build without
-    CMAKE_CUDA_ARCHITECTURES (ggml's default: native), and the C library the wheel links against."""
+    """What the library is compiled for beyond its flags, where GGML_NATIVE is on (ggml's default): the CPU's
+    instruction sets (-march=native) and, for a CUDA build without CMAKE_CUDA_ARCHITECTURES, the GPUs' compute
+    capabilities (ggml-cuda asks for "native" only then); always the C library the wheel links against."""
     parts = [" ".join(platform.libc_ver())]
-    if (_last_value(cmake_args, "GGML_NATIVE") or "ON").upper() not in ("OFF", "0", "FALSE", "NO"):
-        parts.append("cpu " + cpu_features())
+    if (_last_value(cmake_args, "GGML_NATIVE") or "ON").upper() in ("OFF", "0", "FALSE", "NO"):
+        return parts[0]
+    parts.append("cpu " + cpu_features())
     cuda = (_last_value(cmake_args, "GGML_CUDA") or "OFF").upper() in ("ON", "1", "TRUE", "YES")
     if cuda and _last_value(cmake_args, "CMAKE_CUDA_ARCHITECTURES") is None:
         parts.append("gpu " + cuda_architectures())

@@ -576,12 +576,11 @@ def serve(model, host, port, max_tokens_limit, parallel, **engine) -> None:
 
 
 def refuse_unguided_reading(policy: str, reading: str) -> None:
-    """--reading query or reconstruct asked on the command line (not the default) for a policy no question guides:
-    refused in one line, as the server refuses a request's kv_query (it was read plainly, silently)."""
+    """--reading (or AHAKV_READING) query or reconstruct asked for a policy no question guides: refused in one line,
+    as the server refuses a request's kv_query (it was read plainly, silently); the default reading is not asked."""
     from .policies import make_policy, query_readers
 
-    asked = source("reading") is ParameterSource.COMMANDLINE
-    if asked and reading in ("query", "reconstruct") and not make_policy(policy).reads_with_query:
+    if given("reading") and reading in ("query", "reconstruct") and not make_policy(policy).reads_with_query:
         raise AhakvError(
             f"--reading {reading} needs a policy a question can guide ({query_readers()}), not {policy}: "
             "read with --reading plain or surprisal"

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,19 +59,29 @@ def default_model_path(progress: bool = False) -> Path:
     # into a file of this process's own, then renamed over the target: a second command starting meanwhile saw the
     # file without its stamp and assembled it in place, truncating it under the first one's hash check (or under a
     # process that had it mapped)
-    part = target.with_name(f".{target.name}.{os.getpid()}.part")
+    part = stamp_part = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        part = _new_file(target)  # (its own name: another thread's or another container's PID 1's is another file)
         pkg.assemble(part, overwrite=True)  # verifies the sha256
         os.replace(part, target)
-        part.with_suffix(".ok").write_text(json.dumps({"sha256": pkg.EXPECTED_SHA256}))
-        os.replace(part.with_suffix(".ok"), stamp)
+        stamp_part = _new_file(stamp)
+        stamp_part.write_text(json.dumps({"sha256": pkg.EXPECTED_SHA256}))
+        os.replace(stamp_part, stamp)
     except (OSError, ValueError) as exc:
         raise AhakvError(f"could not assemble the default model: {exc}") from exc
     finally:
-        part.unlink(missing_ok=True)
-        part.with_suffix(".ok").unlink(missing_ok=True)
+        for leftover in (part, stamp_part):
+            if leftover is not None:
+                leftover.unlink(missing_ok=True)
     return target
+
+
+def _new_file(beside: Path) -> Path:
+    """A new empty file of this call's own, hidden, in ``beside``'s folder (renamed over ``beside`` when written)."""
+    fd, name = tempfile.mkstemp(prefix=f".{beside.name}.", suffix=".part", dir=beside.parent)
+    os.close(fd)
+    return Path(name)
 
 
 def fixture_path(spec: FixtureSpec | None = None) -> Path:

@@ -38,13 +38,18 @@ def provenance(model: Path, text: str, tokens: int) -> dict:
 FIGURES = ("ppl_vs_budget.png", "accuracy.png", "long_run.png")
 
 
-def _figure_before(out: Path) -> str | None:
-    """The figure the report already in ``out`` wrote, as its results.json names it (None: no report of ours)."""
+def _figures_before(out: Path) -> tuple[str, ...]:
+    """The figures the report already in ``out`` may have written: the one its results.json names; every one for a
+    report of ours from before results.json named it (its config has our provenance, no "figure"); none for a folder
+    without a report of ours (a file of the user's of the same name stays)."""
     try:
-        named = json.loads((out / "results.json").read_text())["config"].get("figure")
+        config = json.loads((out / "results.json").read_text())["config"]
+        if "figure" not in config:
+            return FIGURES if "patch_sha256" in config else ()
+        named = config["figure"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return named if named in FIGURES else None
+        return ()
+    return (named,) if named in FIGURES else ()
 
 
 def _write(
@@ -52,10 +57,11 @@ def _write(
 ) -> None:
     """results.json/.csv/.md under ``out``, and no figure but this run's (``figure``, written by the caller): a run
     into the folder of another command removes the figure that command's report wrote there (it described results
-    no longer there), and nothing else: a file of the user's of the same name stays."""
+    no longer there), and nothing else."""
     out.mkdir(parents=True, exist_ok=True)
-    if (before := _figure_before(out)) not in (None, figure):
-        (out / before).unlink(missing_ok=True)
+    for before in _figures_before(out):
+        if before != figure:
+            (out / before).unlink(missing_ok=True)
     meta = meta | {"figure": figure}
     (out / "results.json").write_text(json.dumps({"config": meta, "results": rows}, indent=1))
     with open(out / "results.csv", "w", newline="") as f:

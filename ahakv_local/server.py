@@ -360,6 +360,10 @@ class SerialRunner:
         # token, or the next prompt chunk), streamed or not
         llm.should_stop = lambda: self.current is not None and self.current.stopped()
 
+    def start(self) -> None:
+        """Serve from now on: the shutdown of a server that ran the app before is over."""
+        self.shutdown.clear()
+
     async def submit(self, request: Request, req: KVFields, kind: str, payload) -> Response:
         """Run a completion (``payload`` its prompt) or a chat (its messages) as a Job; answer JSON, an error,
         or a stream."""
@@ -506,7 +510,15 @@ class ParallelRunner:
         self.waiting: collections.deque = collections.deque()
         self.cond = threading.Condition()
         self.shutdown = threading.Event()
-        threading.Thread(target=self._loop, name="ahakv-scheduler", daemon=True).start()
+        self._thread: threading.Thread | None = None
+        self.start()
+
+    def start(self) -> None:
+        """Serve from now on: the shutdown of a server that ran the app before is over, and the scheduler runs."""
+        self.shutdown.clear()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="ahakv-scheduler", daemon=True)
+            self._thread.start()
 
     async def submit(self, request: Request, req: KVFields, kind: str, payload) -> Response:
         job = Job(self.shutdown)
@@ -682,6 +694,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        runner.start()  # a server (again): an app served before answered every request after with 503
         yield
         runner.shutdown.set()  # the app's server stopped (uvicorn, a TestClient): the scheduler's thread ends too
 

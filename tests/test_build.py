@@ -176,7 +176,9 @@ def test_the_cache_key_is_the_flags_and_the_machine_a_build_compiles_for(monkeyp
     """The key's parts, in order; flags with spaces inside one argument do not read as two arguments (a CPU build
     whose C flags hold "-DGGML_CUDA=ON" had the CUDA build's key); a native build's key follows the CPU's
     instruction sets (a shared wheel cache handed an AVX-512 build to an AVX2 machine), one with GGML_NATIVE off
-    does not; a CUDA build without CMAKE_CUDA_ARCHITECTURES follows the GPUs."""
+    does not; a native CUDA build without CMAKE_CUDA_ARCHITECTURES follows the GPUs (read once per process: a
+    flaky nvidia-smi changed the key between the wheel's folder and the installed marker)."""
+    assert build.cpu_features() is build.cpu_features() and build.cuda_architectures() is build.cuda_architectures()
     monkeypatch.delenv("CMAKE_ARGS", raising=False)
     special = build.plan(cmake_args="-DCMAKE_CUDA_ARCHITECTURES=80;86")
     parts = [
@@ -198,12 +200,14 @@ def test_the_cache_key_is_the_flags_and_the_machine_a_build_compiles_for(monkeyp
     pinned_args = "-DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF"
     native, portable = build.plan().key, build.plan(cmake_args="-DGGML_NATIVE=OFF").key  # (keys are computed now)
     cuda, pinned = build.plan(cuda=True).key, build.plan(cuda=True, cmake_args=pinned_args).key
+    cuda_portable = build.plan(cuda=True, cmake_args="-DGGML_NATIVE=OFF").key  # ggml-cuda's fixed list of archs
     monkeypatch.setattr(build, "cpu_features", lambda: "avx avx2 avx512f fma")
     assert build.plan().key != native and build.plan(cmake_args="-DGGML_NATIVE=OFF").key == portable
     monkeypatch.setattr(build, "cpu_features", lambda: "avx avx2 fma")
     monkeypatch.setattr(build, "cuda_architectures", lambda: "8.0")
     assert build.plan().key == native and build.plan(cuda=True).key != cuda
     assert build.plan(cuda=True, cmake_args=pinned_args).key == pinned
+    assert build.plan(cuda=True, cmake_args="-DGGML_NATIVE=OFF").key == cuda_portable
 
 
 def test_cpu_features_are_this_machine_s_instruction_sets():

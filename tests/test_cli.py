@@ -77,6 +77,33 @@ def test_the_default_model_is_assembled_beside_the_file_another_command_reads(tm
     assert target.read_bytes() == b"the whole model" and sorted(p.name for p in target.parent.iterdir()) == sorted(
         [target.name, target.with_suffix(".ok").name]
     )
+    # two threads of one process at once (or two containers' PID 1 on one cache volume): a name of the PID's own was
+    # one file for both, renamed away under the second ("No such file or directory")
+    import threading
+    import time
+
+    target.unlink()
+    target.with_suffix(".ok").unlink()
+
+    def slow_assemble(path, overwrite=False):
+        Path(path).write_bytes(b"the whole model")
+        time.sleep(0.2)  # (the hash check): both threads inside the assembly at once
+
+    monkeypatch.setattr(pkg, "assemble", slow_assemble)
+    results: list = []
+
+    def use() -> None:
+        try:
+            results.append(models.default_model_path())
+        except AhakvError as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=use) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [target, target] and target.read_bytes() == b"the whole model"
 
 
 def test_not_a_gguf(tmp_path):
@@ -348,6 +375,11 @@ def test_a_guided_reading_asked_for_an_unguided_policy_is_refused(fixture_model,
         rf"error: --reading {reading} needs a policy a question can guide \(.*ahakv.*\), not h2o",
     )
     assert ahakv(*args).returncode == 0
+    # and asked through its variable, which sets the same option (it still read plainly, silently)
+    assert_one_line_error(
+        ahakv(*args, env={**os.environ, "AHAKV_READING": reading}),
+        rf"error: --reading {reading} needs a policy a question can guide \(.*ahakv.*\), not h2o",
+    )
 
 
 def test_info_states_the_layout_of_where_generate_runs_the_layers(gemma_model):

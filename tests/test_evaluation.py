@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -311,3 +312,31 @@ def test_evaluation_budgets_use_the_one_budget_grammar():
     for bad in ("auto", "16MiB", "0", "1.5", "inf", "150%", "x"):  # a byte budget: a TypeError before
         with pytest.raises(AhakvError):
             _cells(bad, 4096, 37)
+
+
+def test_a_report_removes_only_the_figures_a_report_of_ours_wrote(tmp_path):
+    """Each results.json names the figure its report wrote; a folder holding a report from before it did (our
+    provenance, no "figure") may hold any of them (an upgrade left another command's figure beside new results);
+    a folder without a report of ours keeps its files, whatever their names."""
+    from ahakv_local.report import FIGURES, _write
+
+    def folder(name: str, config: dict | None) -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        if config is not None:
+            (out / "results.json").write_text(json.dumps({"config": config, "results": []}))
+        for figure in FIGURES:
+            (out / figure).write_bytes(b"a figure")
+        return out
+
+    cases = {  # config of the report already there -> the figures left beside the new long_run.png
+        "named": ({"patch_sha256": "x", "figure": "accuracy.png"}, {"ppl_vs_budget.png", "long_run.png"}),
+        "older": ({"patch_sha256": "x"}, {"long_run.png"}),
+        "theirs": ({"something": "else"}, set(FIGURES)),
+        "none": (None, set(FIGURES)),
+    }
+    for name, (config, left) in cases.items():
+        out = folder(name, config)
+        _write(out, {"patch_sha256": "y"}, [], ["label"], ["# x"], "long_run.png")
+        assert {p.name for p in out.iterdir() if p.suffix == ".png"} == left, name
+        assert json.loads((out / "results.json").read_text())["config"]["figure"] == "long_run.png"

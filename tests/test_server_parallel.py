@@ -520,10 +520,12 @@ def test_a_parallel_completion_is_read_with_the_same_question_as_the_drop_in(fix
             assert list(question) == e.tokenize("What is this?", add_bos=False), repr(blank)
 
 
-def test_the_scheduler_thread_ends_with_the_app_s_server(fixture_model):
-    """An app made in a process that goes on (a test's, an application embedding it): its scheduler thread polled
-    for the life of the process after the server had stopped. It answers what runs and returns when the app's
-    server shuts down (the app's lifespan sets its shutdown)."""
+@pytest.mark.parametrize("parallel", [True, False])
+def test_the_scheduler_thread_ends_with_the_app_s_server_and_the_app_serves_again(fixture_model, parallel):
+    """An app made in a process that goes on (a test's, an application embedding it): its --parallel scheduler
+    thread polled for the life of the process after the server had stopped; it returns when the app's server shuts
+    down (the app's lifespan sets its shutdown). A second server of the same app serves again (a first version of
+    that fix left it answering 503 "shutting down" to every request, one-at-a-time apps too)."""
     import uvicorn
     from test_server import free_port
 
@@ -531,23 +533,29 @@ def test_the_scheduler_thread_ends_with_the_app_s_server(fixture_model):
 
     spec = SessionSpec.bounded("h2o", 48, n_recent=8, reading="plain")
     with Engine(fixture_model, EngineConfig(n_ctx=256, n_batch=CHUNK, n_ubatch=CHUNK, n_seq=2)) as e:
+        llm = SequencePool(e, spec) if parallel else Llama(str(fixture_model), kv_budget=48, kv_policy="h2o",
+                                                           kv_recent=8, n_threads=1, verbose=False)  # fmt: skip
         before = set(threading.enumerate())
-        app = create_app(SequencePool(e, spec), "fixture")
-        (scheduler,) = [t for t in set(threading.enumerate()) - before if t.name == "ahakv-scheduler"]
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        status, body = call(f"http://127.0.0.1:{port}", "/v1/completions", {"prompt": "the", "max_tokens": 3})
-        assert status == 200 and body["usage"]["completion_tokens"] == 3
-        assert scheduler.is_alive()
-        server.should_exit = True
-        thread.join(timeout=10)
-        scheduler.join(timeout=5)
-        assert not thread.is_alive() and not scheduler.is_alive()
+        app = create_app(llm, "fixture")
+        for _ in range(2):
+            port = free_port()
+            server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+            thread = threading.Thread(target=server.run, daemon=True)
+            thread.start()
+            deadline = time.monotonic() + 30
+            while not server.started and time.monotonic() < deadline:
+                time.sleep(0.05)
+            status, body = call(f"http://127.0.0.1:{port}", "/v1/completions", {"prompt": "the", "max_tokens": 3})
+            assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+            schedulers = [t for t in set(threading.enumerate()) - before if t.name == "ahakv-scheduler"]
+            assert len(schedulers) == (1 if parallel else 0)
+            server.should_exit = True
+            thread.join(timeout=10)
+            for t in schedulers:
+                t.join(timeout=5)
+            assert not thread.is_alive() and not any(t.is_alive() for t in schedulers)
+        if not parallel:
+            llm.close()
 
 
 def test_a_request_alone_in_the_pool_meets_its_cells_as_the_first_did(license_text):
