@@ -682,7 +682,10 @@ class KVController:
         for g in self.groups:
             g.live = g.read_live(self.engine)
             g.evicted = max(0, self.engine.n_past - g.live.size)  # what the saved sequence had evicted (chat /stats)
-            g.policy.truncate(0)
+            # a fresh policy and no reconstruction scores: what the sequence before the load had learned (AhaKV's
+            # head weights, the scores a /read folds in) made the loaded chat's next answers depend on it
+            g.policy = g.policy.fresh()
+            g.best[:] = 0.0
             g.obs = None
         self._pending = 0
         self._tap = None  # nothing read for the policy yet (an eviction takes the oldest first: ``_evict``)

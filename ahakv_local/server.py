@@ -436,6 +436,7 @@ class SerialRunner:
                 job.post("done")
         except Stopped:  # the server is stopping (or the client left, and nobody reads this)
             job.post("error", (503, "the server is shutting down"))
+            self.llm.reset()  # a prompt stopped half-read, compressed for its own question: the next starts clean
         except (AhakvError, ValueError) as exc:  # the request's mistake, found here or by llama-cpp-python
             job.post("error", (400, str(exc)))
             self.llm.reset()  # a prompt may have failed half-read (a full cache): the next request starts clean

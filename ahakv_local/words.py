@@ -68,6 +68,9 @@ class WordMap:
             self.start = np.concatenate([self.start, np.zeros(size - self.start.size, dtype=np.int64)])
             self.joins_next = np.concatenate([self.joins_next, np.zeros(size - self.joins_next.size, dtype=bool)])
         known = 0 < first <= self.end  # the position before this call's first was recorded
+        if first > self.end:  # positions never recorded (a loaded state): each a word of its own, whatever the
+            self.start[self.end : first] = np.arange(self.end, first)  # arrays held from an earlier sequence
+            self.joins_next[self.end : first] = False
         for pos, token in enumerate(tokens, first):
             starts, ends = self._token_edges(int(token))
             joined = starts and (pos > first or known) and self.joins_next[pos - 1]

@@ -562,3 +562,33 @@ def test_a_stream_closed_early_leaves_the_next_read_counted_as_prompt(fixture_mo
         after = llm.kv_stats()
         assert after.prompt_tokens - before.prompt_tokens == len(tokens)
         assert after.generated_tokens == before.generated_tokens
+
+
+def test_a_loaded_state_answers_alike_whatever_the_llama_read_before(fixture_model, license_text):
+    """After ``load_state`` a policy's statistics start over (README): AhaKV kept the head weights it had learned on
+    the sequence before (the policy was truncated, not made afresh) and each group its reconstruction scores (which a
+    question-agnostic /read folds in), so a used Llama and a fresh one continued a loaded state differently."""
+    from ahakv_local import Llama
+
+    words = license_text.split()
+
+    def llama() -> Llama:
+        return Llama(str(fixture_model), kv_budget=64, kv_recent=8, kv_layer_budgets="shared", n_batch=32,
+                     n_threads=1, verbose=False)  # fmt: skip
+
+    with llama() as src:
+        src.eval(src.tokenize(" ".join(words[:300]).encode()))
+        state = src.save_state()
+        more = src.tokenize((" " + " ".join(words[300:420])).encode(), add_bos=False)
+    runs = []
+    for used in (False, True):
+        with llama() as llm:
+            if used:  # another sequence first, read question-agnostically: reconstruction scores, head weights
+                llm.create_completion(" ".join(words[500:800]), max_tokens=2, temperature=0, kv_query="reconstruct")
+                assert any(g.best.any() for g in llm.kv_controller.groups)
+            llm.load_state(state)
+            assert not any(g.best.any() for g in llm.kv_controller.groups)
+            llm.eval(more)
+            runs.append((llm.kv_controller.live.copy(), np.array(llm.eval_logits[-1])))
+    np.testing.assert_array_equal(runs[1][0], runs[0][0])
+    np.testing.assert_array_equal(runs[1][1], runs[0][1])

@@ -646,3 +646,41 @@ def test_a_chat_request_asking_kv_query_true_is_guided_by_its_last_user_message(
 
     explicit = guided_tokens(question)
     assert explicit > 0 and guided_tokens(True) == explicit
+
+
+def test_a_prompt_stopped_half_read_leaves_nothing_for_the_next_request(fixture_model, license_text):
+    """A client that left while its prompt was read (Stopped between two chunks): the prompt read so far stayed
+    cached, compressed under that request's own question, and the next request extending it was read on top (its
+    answer differed from a fresh server's). The stop resets the model, as a failed request does."""
+    from ahakv_local import Llama
+    from ahakv_local.server import CompletionRequest, SerialRunner
+
+    prompt = " ".join(license_text.split()[:600])
+    follow = prompt + "\n\nQuestion: what does convey mean?\nAnswer:"
+
+    def llama() -> Llama:
+        return Llama(str(fixture_model), kv_budget=64, kv_recent=8, n_batch=32, n_threads=1, verbose=False)
+
+    class LeavesAfter:  # the job of a client that leaves after a few prompt chunks
+        def __init__(self, checks: int) -> None:
+            self.checks, self.events = checks, []
+
+        def stopped(self) -> bool:
+            self.checks -= 1
+            return self.checks < 0
+
+        def post(self, kind: str, payload=None) -> None:
+            self.events.append(kind)
+
+    with llama() as fresh:
+        expected = fresh.create_completion(follow, max_tokens=8, temperature=0)["choices"][0]["text"]
+    with llama() as llm:
+        runner = SerialRunner(llm, "fixture", 64, 60.0, 4)
+        job = LeavesAfter(3)
+        runner.current = job
+        req = CompletionRequest(prompt=prompt, max_tokens=8, temperature=0.0)
+        runner._generate(job, req, lambda **kw: llm.create_completion(prompt, **kw))
+        runner.current = None
+        assert job.events == ["error"] and llm.n_tokens == 0  # stopped mid-prompt, and nothing of it kept
+        got = llm.create_completion(follow, max_tokens=8, temperature=0)["choices"][0]["text"]
+    assert got == expected

@@ -79,3 +79,15 @@ def test_a_script_without_spaces_is_a_word_per_character_and_a_split_character_s
     words = WordMap(lambda t: pieces[t])
     words.add(0, list(range(len(pieces))))
     np.testing.assert_array_equal(words.words(np.arange(len(pieces))), [0, 0, 0, 3, 3, 3, 3, 7])
+
+
+@pytest.mark.parametrize("earlier", [[], ["5", "8", "8", "8", "8", "8"]])
+def test_positions_a_load_brought_are_words_of_their_own_after_the_next_tokens(earlier) -> None:
+    """A state loaded at positions 0..4 (never recorded here), then tokens decoded from 5: the loaded positions
+    read the arrays as an earlier sequence had left them (joined digits), or a fresh map's zeros (all one word, at
+    0), since the first ``add`` past them counted them recorded. Each is a word of its own."""
+    words = WordMap(lambda t: PIECES[t])
+    words.add(0, [PIECES.index(p) for p in earlier])
+    words.truncate(0)  # the load forgets what the map knew (KVController.resync)
+    words.add(5, [PIECES.index("5"), PIECES.index("8")])
+    np.testing.assert_array_equal(words.words(np.arange(7)), [0, 1, 2, 3, 4, 5, 5])
