@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ahakv_local.engine import Engine
 from ahakv_local.evaluation import text_tokens
-from ahakv_local.longdoc import LICENSES
+from ahakv_local.textfile import LICENSES
 
 
 def file_tokens(model: Path, path: str | Path, n: int | None = None) -> list[int]:
