@@ -90,10 +90,21 @@ def flags_text(cmake_args: tuple[str, ...]) -> str:
     return " ".join(shlex.quote(a) if any(c.isspace() for c in a) or not a else a for a in cmake_args)
 
 
+def _sets(arg: str, name: str) -> bool:
+    """Whether a CMake argument is -D<name>=... or -D<name>:TYPE=..."""
+    return arg.startswith((f"-D{name}=", f"-D{name}:"))
+
+
 def _last_value(cmake_args: tuple[str, ...], name: str) -> str | None:
     """The value the last -D<name>=... sets (CMake takes the last), or None."""
-    values = [a.split("=", 1)[1] for a in cmake_args if a.startswith(f"-D{name}=") or a.startswith(f"-D{name}:")]
+    values = [a.split("=", 1)[1] for a in cmake_args if _sets(a, name)]
     return values[-1] if values else None
+
+
+def _is_on(cmake_args: tuple[str, ...], name: str, default: bool) -> bool:
+    """Whether -D<name> is on as CMake reads a boolean (``default`` where it is not given)."""
+    value = _last_value(cmake_args, name)
+    return default if value is None else value.upper() in ("ON", "1", "TRUE", "YES", "Y")
 
 
 # the CPU features a native x86 build's -march=native turns into compiled code (ggml's own checks and the compiler's)
@@ -144,11 +155,10 @@ def host_fingerprint(cmake_args: tuple[str, ...]) -> str:
     instruction sets (-march=native) and, for a CUDA build without CMAKE_CUDA_ARCHITECTURES, the GPUs' compute
     capabilities (ggml-cuda asks for "native" only then); always the C library the wheel links against."""
     parts = [" ".join(platform.libc_ver())]
-    if (_last_value(cmake_args, "GGML_NATIVE") or "ON").upper() in ("OFF", "0", "FALSE", "NO"):
+    if not _is_on(cmake_args, "GGML_NATIVE", default=True):
         return parts[0]
     parts.append("cpu " + cpu_features())
-    cuda = (_last_value(cmake_args, "GGML_CUDA") or "OFF").upper() in ("ON", "1", "TRUE", "YES")
-    if cuda and _last_value(cmake_args, "CMAKE_CUDA_ARCHITECTURES") is None:
+    if _is_on(cmake_args, "GGML_CUDA", default=False) and _last_value(cmake_args, "CMAKE_CUDA_ARCHITECTURES") is None:
         parts.append("gpu " + cuda_architectures())
     return "; ".join(parts)
 
@@ -310,7 +320,7 @@ def build_wheel(tree: Path, build_dir: Path, out: Path, cmake_args: tuple[str, .
     # scikit-build-core shell-splits CMAKE_ARGS: a value with spaces (-DCMAKE_C_FLAGS="-O3 -march=x") stays one;
     # it drops CMAKE_BUILD_TYPE from there (a warning in the log) and takes it as a setting of its own instead
     build_type = _last_value(cmake_args, "CMAKE_BUILD_TYPE")
-    passed = [a for a in cmake_args if not a.startswith(("-DCMAKE_BUILD_TYPE=", "-DCMAKE_BUILD_TYPE:"))]
+    passed = [a for a in cmake_args if not _sets(a, "CMAKE_BUILD_TYPE")]
     env = dict(os.environ, CMAKE_ARGS=shlex.join(passed))
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
     out.mkdir(parents=True, exist_ok=True)
