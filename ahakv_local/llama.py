@@ -287,6 +287,13 @@ class Llama(llama_cpp.Llama):
         return self._kv
 
     @property
+    def kv_laid_out_for(self) -> dict:
+        """What this Llama's caches were laid out for, beside its budget and layout: the policy it was opened with
+        (one that reads with a question keeps that room in them; a later ``set_policy`` keeps the caches) and the
+        ``n_ctx`` asked (a ratio or auto budget's cells). A saved chat names them where they differ."""
+        return {"policy": self._asked["kv_policy"], "n_ctx": self._asked["n_ctx"]}
+
+    @property
     def kv_engine(self) -> Engine:
         """The engine view of this Llama's model and context (shapes, cell maps, statistics)."""
         return self._kv_engine

@@ -5,7 +5,8 @@ checking that the file is what it claims to be and was saved from the same model
 foreign file is refused with one line and the running conversation stays as it was.
 
     chat.json   {"format", "version", "model": {...}, "system", "messages", "n_tokens", "input_ids", "seed",
-                 "cache_cells", "budget", "layer_budgets", "kv_cache": {"type_k", "type_v", "flash_attn"}}
+                 "cache_cells", "budget", "layer_budgets", "policy", "laid_out_for": {"policy", "n_ctx"},
+                 "kv_cache": {"type_k", "type_v", "flash_attn"}}
     state.bin   llama_state_get_data() of the context (the compressed cache, positions included)
 """
 
@@ -94,8 +95,11 @@ def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None
         # the budget those caches were laid out for, as --budget takes it (chat's /budget 8MiB re-sizes them)
         "budget": as_option(llm.kv_controller.config.budget) if llm.kv_controller is not None else None,
         "layer_budgets": llm.kv_controller.config.layer_budgets if llm.kv_controller is not None else None,
-        # the policy sizes them too: one that reads with a question keeps its room in the caches
+        # the policy that runs (chat's /policy switches it in the same caches)
         "policy": llm.kv_controller.policy.name if llm.kv_controller is not None else "full",
+        # and the policy and n_ctx they were laid out for: one that reads with a question keeps its room in them, a
+        # ratio or auto budget takes its cells from n_ctx (-c)
+        "laid_out_for": llm.kv_laid_out_for,
         "kv_cache": kv_cache_kind(llm),
     }
     tmp = None
@@ -175,16 +179,21 @@ def _how_to_load(meta: dict, llm) -> str:
         saved = Budget.parse(meta.get("budget"))
     except (AhakvError, TypeError, ValueError):
         saved = None
-    policy = meta.get("policy")
+    laid_out = meta.get("laid_out_for") if isinstance(meta.get("laid_out_for"), dict) else {}
+    policy = laid_out.get("policy", meta.get("policy"))  # (files written before it was kept: the running policy)
+    ours = llm.kv_laid_out_for
     options = []
     if saved is not None and (kv is None or as_option(saved) != as_option(kv.config.budget)):
         options.append(f"--budget {as_option(saved)}")
+    n_ctx = laid_out.get("n_ctx")
+    if saved is not None and saved.mode in ("ratio", "auto") and type(n_ctx) is int and n_ctx != ours["n_ctx"]:
+        options.append(f"-c {n_ctx}")  # (an int only: a crafted file's text never reaches the error line)
     layout = meta.get("layer_budgets")
     if layout in LAYER_BUDGETS and kv is not None and layout != kv.config.layer_budgets:
         options.append(f"--layer-budgets {layout}")
     if "cache_cells" in meta and meta["cache_cells"] is None and kv is not None:  # the full cache's (--policy full is
         options.append("--budget none")  # refused beside a --budget given on the command line)
-    elif _a_name(policy) and policy != "full" and policy != (kv.policy.name if kv is not None else "full"):
+    elif _a_name(policy) and policy != "full" and policy != (ours["policy"] if kv is not None else "full"):
         options.append(f"--policy {policy}")
     kind = meta.get("kv_cache") if isinstance(meta.get("kv_cache"), dict) else {}
     stored = kind.get("type_k") if kind.get("type_k") in KV_CACHE_TYPES else None

@@ -674,13 +674,32 @@ def test_a_refused_load_names_the_options_that_load_it(fixture_model, tmp_path):
         llm = Llama(str(fixture_model), kv_recent=8, n_batch=32, verbose=False, **kw)
         return ChatSession(llm, None, max_tokens=4, temperature=0.0)
 
-    made = {"ahakv": {"kv_budget": 64}, "full": {"kv_policy": "full", "n_ctx": 512}, "bytes": {"kv_budget": "64KiB"}}
+    made = {
+        "ahakv": {"kv_budget": 64},
+        "full": {"kv_policy": "full", "n_ctx": 512},
+        "bytes": {"kv_budget": "64KiB"},
+        # caches laid out for AhaKV, then /policy h2o: the file recorded h2o, and its hint named nothing
+        "switched": {"kv_budget": 64},
+        # a ratio's cells come from n_ctx: loaded at another -c, the hint named nothing
+        "ratio": {"kv_budget": 0.25, "n_ctx": 1024},
+    }
     for name, kw in made.items():
         s = chat(**kw)
+        if name == "switched":
+            command(s, "/policy", "h2o")
         talk(s, "hello there")
         command(s, "/save", str(tmp_path / f"{name}.chat"))
         s.llm.close()
+    ratio_cells = json.loads(zipfile.ZipFile(tmp_path / "ratio.chat").read("chat.json"))["cache_cells"]
     expected = {  # (the chat loading, the file): the hint, then the chat those options open loads it
+        ("h2o", "switched"): (
+            "in KV caches of other sizes (129-129 cells): open the chat with --policy ahakv",
+            "ahakv",
+        ),
+        ("small ratio", "ratio"): (
+            f"in KV caches of other sizes ({min(ratio_cells)}-{max(ratio_cells)} cells): open the chat with -c 1024",
+            "ratio",
+        ),
         ("h2o", "ahakv"): ("in KV caches of other sizes (129-129 cells): open the chat with --policy ahakv", "ahakv"),
         ("h2o", "full"): ("without a budget (the full cache): open the chat with --budget none", "full"),
         ("full", "ahakv"): ("in caches laid out for a budget: open the chat with --budget 64 --policy ahakv", "ahakv"),
@@ -690,7 +709,7 @@ def test_a_refused_load_names_the_options_that_load_it(fixture_model, tmp_path):
             "bytes",
         ),
     }
-    opened = {"h2o": {"kv_budget": 64, "kv_policy": "h2o"}, **made}
+    opened = {"h2o": {"kv_budget": 64, "kv_policy": "h2o"}, "small ratio": {"kv_budget": 0.25, "n_ctx": 512}, **made}
     for (here, name), (hint, loads) in expected.items():
         s = chat(**opened[here])
         try:
