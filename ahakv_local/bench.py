@@ -147,13 +147,29 @@ class SpeedSetup:
         return 2 * self.budget + self.decode_tokens
 
     def plan(self, tokens: list[int]) -> tuple[int, int]:
-        """(eviction period, plain prompt length). A policy run reads 2x the budget, then holds budget -
-        evict_every + 1 .. budget cells while it generates; the plain run grows from its prompt by the tokens it
-        generates: start it so the means match."""
+        """(eviction period, plain prompt length): the plain run grows from its prompt by one cell a decoded token,
+        so it starts where its mean live cells match the policies' (``policy_cells``)."""
         if len(tokens) < self.tokens_needed:
             raise ValueError(f"need {self.tokens_needed} tokens of text for budget {self.budget}, have {len(tokens)}")
         evict_every = self.evict_every or default_evict_every(Budget.parse(self.budget))
-        return evict_every, max(1, round(self.budget - (evict_every - 1) / 2 - self.decode_tokens / 2))
+        return evict_every, max(1, round(self.policy_cells(evict_every) - self.plain_growth))
+
+    def policy_cells(self, evict_every: int) -> float:
+        """The mean live cells of a policy run while it decodes: it reads 2x the budget, compressed to budget -
+        evict_every + 1 cells, then grows by one a token and evicts back at the end of each period (the schedule
+        follows the position: ``KVController._step_phase``). Where the decoded tokens are no whole number of periods
+        this is not budget - (evict_every - 1) / 2; the adaptive layout's full-attention layers may hold fewer."""
+        keep = self.budget - (evict_every - 1)
+        cells, held = [], keep
+        for position in range(2 * self.budget, 2 * self.budget + self.decode_tokens):
+            held = keep if position % evict_every == evict_every - 1 else held + 1
+            cells.append(held)
+        return float(np.mean(cells))
+
+    @property
+    def plain_growth(self) -> float:
+        """The plain run's mean live cells over its prompt's: the k-th decoded token is its prompt + k-th cell."""
+        return (self.decode_tokens + 1) / 2
 
 
 def speed_at_budget(
@@ -230,7 +246,7 @@ def engine_speed_at_budget(
         t1 = time.perf_counter()
         for tok in tokens[plain_prompt : plain_prompt + decode_tokens]:
             e.decode([tok])
-        return t1 - t0, time.perf_counter() - t1, plain_prompt + decode_tokens / 2
+        return t1 - t0, time.perf_counter() - t1, plain_prompt + setup.plain_growth
 
     def policy_run(name: str) -> tuple[float, float, float]:
         sessions[name].reset()

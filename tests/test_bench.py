@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from ahakv_local.bench import SpeedSetup
 from ahakv_local.fixture import FixtureSpec
 from ahakv_local.info import read_info
 from ahakv_local.models import fixture_path
@@ -304,3 +306,21 @@ def test_a_run_that_would_fail_is_refused_before_the_baselines_load(args, messag
         monkeypatch.setattr(bench_module, name, lambda *a, **k: pytest.fail("a run started"))
     result = CliRunner().invoke(main, ["bench", "speed", str(model), "--policies", "h2o", *args])
     assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == f"error: {message}", result.output
+
+
+def test_plain_runs_hold_the_policies_mean_cells_over_no_whole_number_of_periods(fixture_model, tmp_path):
+    """The plain prompt was sized for a policy holding budget - (period - 1) / 2 cells on average, which holds only for
+    a whole number of periods, and the engine table gave the plain runs prompt + tokens / 2 cells where the k-th
+    decoded token is the prompt's + k-th. 12 tokens of an 8-token period at 64 cells: the policy holds 60.17 (its
+    cells measured at every step), the plain runs were sized for 60.5 and held 60.5, reported as 60."""
+    out = tmp_path / "odd"
+    proc = bench(str(fixture_model), "--budget", "64", "--policies", "streaming", "--decode-tokens", "12",
+                 "--evict-every", "8", "--rounds", "1", "--long-context", "", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["label"]: r for r in json.loads((out / "results.json").read_text())["results"] if r["table"] == "engine"}
+    policy, plain = rows["streaming"]["live_cells"], rows["plain"]
+    # the known answer: 57 cells after the prompt's compression, one more a token, back to 57 at position 135
+    assert policy == pytest.approx(np.mean([58, 59, 60, 61, 62, 63, 64, 57, 58, 59, 60, 61]), abs=1e-9)
+    assert plain["live_cells"] == pytest.approx(np.mean(plain["prompt_tokens"] + np.arange(1, 13)), abs=1e-9)
+    assert abs(plain["live_cells"] - policy) <= 0.5  # the plain prompt is a whole number of tokens
+    assert SpeedSetup(64, ("streaming",), decode_tokens=12).policy_cells(8) == pytest.approx(policy, abs=1e-9)
