@@ -137,6 +137,14 @@ class LayerStat(NamedTuple):
     values: np.ndarray  # float32 [n_heads, n_live]
 
 
+def address(array: np.ndarray, dtype: type) -> int:
+    """The data address of a C-contiguous ``dtype`` array, for a ``llama_ahakv_*`` pointer argument (native.py says
+    why not ``ndarray.ctypes.data_as``)."""
+    if array.dtype != dtype or not array.flags.c_contiguous:
+        raise ValueError(f"a native call takes a C-contiguous {np.dtype(dtype)} array, not {array.dtype}")
+    return array.ctypes.data
+
+
 def set_next_caches(cells: Sequence[int], groups: Sequence[int] | None = None) -> int:
     """Size the caches of the next context this thread creates: (base, sliding) cells, or with ``groups`` (the
     cache of each layer) one size per cache. A per-thread setting of the patched engine that the next
@@ -479,8 +487,8 @@ class Engine:
             self._run_batch()
             self.n_past += n
             n_rows = len(chunk) if all_logits else 1
-            ptr = llama_cpp.llama_get_logits(self.ctx)
-            out = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab)).copy()
+            out = np.empty((n_rows, self.n_vocab), dtype=np.float32)  # (as_array casts: native.py says why not)
+            ctypes.memmove(address(out, np.float32), llama_cpp.llama_get_logits(self.ctx), out.nbytes)
             rows.append(out)
         logits = np.concatenate(rows)
         return logits if all_logits else logits[-1]
@@ -555,8 +563,7 @@ class Engine:
         """int32 [n_cells]: the position each cell holds, -1 for an empty cell (default: base cache)."""
         layer = self.base_layer if layer is None else layer
         out = np.empty(self.n_cells(layer), dtype=np.int32)
-        ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        n = self.native.cell_pos(self.ctx, layer, self.seq, ptr, out.size)
+        n = self.native.cell_pos(self.ctx, layer, self.seq, address(out, np.int32), out.size)
         if n != out.size:
             raise AhakvError(f"llama_ahakv_cell_pos failed for layer {layer}")
         return out
@@ -593,7 +600,7 @@ class Engine:
         pos = np.unique(np.asarray(positions, dtype=np.int32))
         if pos.size == 0:
             return 0
-        ptr = pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        ptr = address(pos, np.int32)
         if cache is None:
             rc = self.native.evict(self.ctx, self.seq, ptr, pos.size)
         else:
@@ -640,7 +647,7 @@ class Engine:
         n_heads = self.n_head_kv if kind == "vnorm" else self.n_head
         out = np.empty((n_heads, self.n_cells(layer)), dtype=np.float32)
         getter = getattr(self.native, "get_" + kind)
-        n = getter(self.ctx, layer, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size)
+        n = getter(self.ctx, layer, address(out, np.float32), out.size)
         if n != out.size:
             raise AhakvError(f"llama_ahakv_get_{kind} failed for layer {layer}")
         return out
@@ -739,6 +746,6 @@ def decode_batch(views: Sequence[Engine], tokens: Sequence[int]) -> np.ndarray:
     llama_cpp = e._llama_cpp
     out = np.empty((len(views), e.n_vocab), dtype=np.float32)
     for i, v in enumerate(views):
-        out[i] = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(e.ctx, i), shape=(e.n_vocab,))
+        ctypes.memmove(address(out[i], np.float32), llama_cpp.llama_get_logits_ith(e.ctx, i), out[i].nbytes)
         v.n_past += 1
     return out

@@ -42,8 +42,9 @@ class EvictError(enum.IntEnum):
 
 _c = ctypes
 _ctx = _c.c_void_p
-_f32p = _c.POINTER(_c.c_float)
-_i32p = _c.POINTER(_c.c_int32)
+# an array's data: a numpy array's address (``engine.address``), or a ctypes array. Not ndarray.ctypes.data_as: it
+# casts, and every ctypes.cast leaves a reference cycle for the collector (~1,000 a served request)
+_f32p = _i32p = _c.c_void_p
 
 _SIGNATURES: dict[str, tuple[list, object]] = {
     "llama_ahakv_abi_version": ([], _c.c_int32),

@@ -92,3 +92,38 @@ def test_threads_default_to_ahakv_threads_then_every_core(fixture_model, monkeyp
         monkeypatch.setenv("AHAKV_THREADS", bad)
         with pytest.raises(AhakvError, match="AHAKV_THREADS must be a whole number from 1 to 512"):
             Engine(fixture_model, EngineConfig(n_ctx=256))
+
+
+def test_the_engine_s_native_calls_leave_nothing_for_the_collector(fixture_model):
+    """ndarray.ctypes.data_as and np.ctypeslib.as_array cast, and every ctypes.cast leaves a reference cycle: the
+    statistics, cell maps, evictions and logits of one served request left ~1,000 (a c_void_p and its dict each) for
+    the collector's rare full passes. The engine passes addresses instead; its values are those of the casts'."""
+    import gc
+
+    from ahakv_local.native import TapFlag
+
+    with Engine(fixture_model, EngineConfig(n_ctx=256, n_batch=32, n_ubatch=32, n_threads=1)) as e:
+        e.set_tap(TapFlag.ATTN | TapFlag.VNORM)
+        e.decode(list(range(1, 40)))
+
+        def calls() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            logits = e.decode([7])
+            cells, attn = e.cell_positions(), e.stat_by_cell("attn", 0)
+            e.evict([4, 5, 6])  # (the second time: already gone)
+            return logits, cells, attn
+
+        calls()  # (what the first calls build once, types and imports, is not the calls' garbage)
+        gc.collect()
+        gc.disable()
+        try:
+            logits, cells, attn = calls()
+            left = gc.collect()
+        finally:
+            gc.enable()
+        assert left == 0
+        # the same numbers through the casts (a second code path)
+        np.testing.assert_array_equal(logits, np.ctypeslib.as_array(llama_cpp.llama_get_logits(e.ctx), (e.n_vocab,)))
+        again = np.empty_like(attn)
+        e.native.get_attn(e.ctx, 0, again.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), again.size)
+        np.testing.assert_array_equal(attn, again)
+        assert sorted(cells[cells >= 0]) == [0, 1, 2, 3, *range(7, 41)]
