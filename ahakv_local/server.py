@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ctypes
+import functools
 import json
 import logging
 import socket
@@ -34,6 +36,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import uvicorn
@@ -344,6 +347,22 @@ def sampling_of(req: KVFields, limit: int) -> dict:
     return {k: v for k, v in kw.items() if v is not None}
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc's (none on macOS or musl)
+    except (AttributeError, OSError):
+        return None
+
+
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the system after a request. A request frees what it allocated, but glibc
+    keeps freed blocks (a row of logits is 1 MiB) in its heap: the one-at-a-time server's RSS grew by 71 MiB from its
+    20th request to its 120th, 38 with this, level over the last 40 (benchmarks/serve_rss.py, RESULTS.md)."""
+    if (trim := _malloc_trim()) is not None:
+        trim(0)
+
+
 class SerialRunner:
     """The model, its lock and the server's settings; runs Jobs one at a time."""
 
@@ -356,6 +375,9 @@ class SerialRunner:
         self.current: Job | None = None
         self.since = 0.0  # when the current job took the lock
         self.stats = llm.kv_stats().as_dict()  # figures at the end of the last job
+        # every job's model work runs in this one long-lived thread: glibc gives threads malloc arenas of their own, and
+        # 120 requests run each in a new thread left 536 MiB resident against 438 in one thread (benchmarks/RESULTS.md)
+        self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ahakv-model")
         # the client left or the server is stopping: the drop-in stops before its next decode call (the next
         # token, or the next prompt chunk), streamed or not
         llm.should_stop = lambda: self.current is not None and self.current.stopped()
@@ -388,16 +410,18 @@ class SerialRunner:
         return await respond(job, request)
 
     def _work(self, job: Job, req: KVFields, call) -> None:
-        """The worker thread: the lock's whole life, and everything that touches the model."""
+        """The request's thread: the lock's whole life (it waits for the model, and stops waiting for a client that
+        left); what touches the model runs in the model thread."""
         try:
             if self._acquire(job):
                 try:
                     self.current, self.since = job, time.monotonic()
-                    self._generate(job, req, call)
+                    self.model_thread.submit(self._generate, job, req, call).result()
                 finally:
                     self.current = None
                     with contextlib.suppress(Exception):  # figures for /v1/kv/stats; never worth keeping the lock
-                        self.stats = self.llm.kv_stats().as_dict()
+                        self.stats = self.model_thread.submit(self.llm.kv_stats).result().as_dict()
+                    release_free_memory()
                     self.lock.release()
             else:  # (nobody reads it if the client has gone)
                 job.post("error", (503, self._busy_message()))
