@@ -289,6 +289,12 @@ def eval_ppl(
 
     rpc_servers = parse_rpc(rpc)
     out = _out(out_dir)
+    from .budget import check_layer_kinds, parse_schedule
+    from .session import SessionSpec
+
+    names = _policies(policies)  # the user's own mistakes before the model is read (budgets: once the text's length is)
+    layouts = _layer_budgets(layer_budgets)
+    evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
     path = _model(model)
     ids = text_tokens(path, read_text(text_file))
     if min(len(ids), tokens) <= prefix + 1:
@@ -300,14 +306,8 @@ def eval_ppl(
         raise AhakvError(
             f"{len(ids)} tokens of text are past the model's trained context of {info.n_ctx_train}: give --tokens"
         )
-    from .budget import check_layer_kinds, parse_schedule
-    from .session import SessionSpec
-
-    names = _policies(policies)
-    layouts = _layer_budgets(layer_budgets)
     for layout in layouts:  # before the full cache's run, not after it
         check_layer_kinds(layout, info.n_layer_swa, info.n_layer)
-    evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
     schedule = dict(
         n_sink=sinks, n_recent=recent, evict_every=evict_every, observe_steps=observe_steps, kv_type=kv_type
     )

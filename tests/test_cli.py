@@ -922,3 +922,16 @@ def test_generate_checks_its_own_arguments(gemma_model, tmp_path):
                  "--stats")  # fmt: skip
     n_prompt = len(llama_cpp.Llama(model, vocab_only=True, verbose=False).tokenize(text.read_bytes()))
     assert proc.returncode == 0 and f"prompt {n_prompt} tok" in proc.stderr and "generated 8 tok" in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["ppl", "needle", "longdoc"])
+def test_eval_refuses_a_policy_or_layout_before_the_model_is_read(command, tmp_path):
+    """The README: "Budgets and policies are checked before the model is read". eval ppl resolved the model (a
+    default one is assembled first) and tokenized the text before it named an unknown policy or layout."""
+    missing = str(tmp_path / "missing.gguf")
+    checks = [("--policies", "unknown policy 'bogus'")]
+    checks += [("--layer-budgets", "not 'bogus'")] if command != "needle" else []  # (needle runs the shared pool)
+    for option, said in checks:
+        proc = ahakv("eval", command, missing, option, "bogus", "--out", str(tmp_path / "out"))
+        assert proc.returncode != 0 and said in proc.stderr and "missing.gguf" not in proc.stderr, proc.stderr
+        assert proc.stderr.count("\n") == 1
