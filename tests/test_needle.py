@@ -62,3 +62,21 @@ def test_eval_needle_command_writes_every_output(fixture_model, tmp_path):
     assert data["config"]["model_sha256"]
     assert (out / "results.csv").read_text().count("\n") == 7
     assert "| ahakv | 64 cells |" in (out / "results.md").read_text()
+
+
+def test_an_item_has_its_key_whatever_else_the_run_asks(fixture_model, license_text):
+    """Keys were drawn in the grid's order: reversing --depths, or adding a length, hid another key at the same
+    length and depth, so a narrower rerun of one item measured another. Each item's key now comes from the item."""
+    from ahakv_local.needle import run_needle
+    from ahakv_local.session import SessionSpec
+
+    def keys(lengths: list[int], depths: list[float], trials: int = 1) -> dict:
+        runs = run_needle(fixture_model, license_text, lengths, depths, [SessionSpec()], trials=trials, n_threads=1)
+        first = {}  # (length, depth): the key of its first trial
+        for r in runs:
+            first.setdefault((r.length, r.depth), r.key)
+        return first
+
+    wide = keys([300, 400], [0.1, 0.9], trials=2)
+    assert keys([400], [0.9, 0.1]) == {(400, 0.9): wide[400, 0.9], (400, 0.1): wide[400, 0.1]}
+    assert len(set(wide.values())) == 4 and all(k.isdigit() and len(k) == 5 for k in wide.values())
