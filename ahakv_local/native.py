@@ -43,7 +43,7 @@ class EvictError(enum.IntEnum):
 _c = ctypes
 _ctx = _c.c_void_p
 # an array's data: a numpy array's address (``engine.address``), or a ctypes array. Not ndarray.ctypes.data_as: it
-# casts, and every ctypes.cast leaves a reference cycle for the collector (~1,000 a served request)
+# casts, and every ctypes.cast leaves a reference cycle for the collector (one per call)
 _f32p = _i32p = _c.c_void_p
 
 _SIGNATURES: dict[str, tuple[list, object]] = {

@@ -358,7 +358,8 @@ def _malloc_trim() -> Callable[[int], int] | None:
 def release_free_memory() -> None:
     """Hand the heap's free pages back to the system after a request. A request frees what it allocated, but glibc
     keeps freed blocks (a row of logits is 1 MiB) in its heap: the one-at-a-time server's RSS grew by 71 MiB from its
-    20th request to its 120th, 38 with this, level over the last 40 (benchmarks/serve_rss.py, RESULTS.md)."""
+    20th request to its 120th, 38 with this and the model thread, level over the last 40 (benchmarks/serve_rss.py,
+    RESULTS.md)."""
     if (trim := _malloc_trim()) is not None:
         trim(0)
 
@@ -376,7 +377,7 @@ class SerialRunner:
         self.since = 0.0  # when the current job took the lock
         self.stats = llm.kv_stats().as_dict()  # figures at the end of the last job
         # every job's model work runs in this one long-lived thread: glibc gives threads malloc arenas of their own, and
-        # 120 requests run each in a new thread left 536 MiB resident against 438 in one thread (benchmarks/RESULTS.md)
+        # requests run each in a new thread left more memory resident than in one thread (benchmarks/RESULTS.md)
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ahakv-model")
         # the client left or the server is stopping: the drop-in stops before its next decode call (the next
         # token, or the next prompt chunk), streamed or not

@@ -96,7 +96,7 @@ def test_threads_default_to_ahakv_threads_then_every_core(fixture_model, monkeyp
 
 def test_the_engine_s_native_calls_leave_nothing_for_the_collector(fixture_model):
     """ndarray.ctypes.data_as and np.ctypeslib.as_array cast, and every ctypes.cast leaves a reference cycle: the
-    statistics, cell maps, evictions and logits of one served request left ~1,000 (a c_void_p and its dict each) for
+    statistics, cell maps, evictions and logits of a served request left one each (a c_void_p and its dict) for
     the collector's rare full passes. The engine passes addresses instead; its values are those of the casts'."""
     import gc
 

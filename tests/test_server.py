@@ -688,9 +688,9 @@ def test_a_prompt_stopped_half_read_leaves_nothing_for_the_next_request(fixture_
 
 def test_every_request_runs_the_model_in_one_long_lived_thread(fixture_model):
     """Each request ran the model in a thread of its own: glibc gave those threads malloc arenas of their own, the
-    memory freed there stayed in them, and 120 requests left 536 MiB resident against 438 in one thread
-    (benchmarks/RESULTS.md, session ai). Requests still wait in threads of their own (a client that leaves stops
-    waiting); what touches the model, a request's own kv_budget included, runs in one thread."""
+    memory freed there stayed in them, and more of it stayed resident than with one thread (benchmarks/RESULTS.md,
+    session ai). Requests still wait in threads of their own (a client that leaves stops waiting); what touches the
+    model, a request's own kv_budget included, runs in one thread."""
     import threading
 
     from ahakv_local import Llama
