@@ -300,6 +300,8 @@ def eval_ppl(
     if min(len(ids), tokens) <= prefix + 1:
         what = f"--tokens {tokens}" if tokens < len(ids) else f"{text_file} has only {len(ids)} tokens"
         raise AhakvError(f"{what}; need more than --prefix {prefix} + 1")
+    if tokens > len(ids):  # the run goes on over the whole text; the report states its length
+        click.echo(f"--tokens {tokens}: {text_file} has {len(ids)} tokens; every one is read", err=True)
     ids = ids[:tokens]
     info = read_info(path)
     if info.n_ctx_train and len(ids) > info.n_ctx_train:  # (it failed there, after the full cache's whole run)
@@ -417,6 +419,21 @@ def eval_needle(
         click.echo(line)
 
 
+def _say_unguided(names: list[str], readings: list[str]) -> None:
+    """One line on stderr where a policy has no question score and so reads plainly in the guided modes asked for:
+    its rows are then one plain row (``longdoc.specs_rule``), which a table otherwise showed without a word."""
+    from .policies import make_policy
+
+    guided = [r for r in readings if r in ("query", "reconstruct")]
+    plain = [p for p in names if not make_policy(p).reads_with_query]
+    if guided and plain:
+        click.echo(
+            f"--reading {','.join(guided)}: {', '.join(plain)} cannot be guided by a question; they read plainly "
+            f"(one row each{'' if 'plain' in readings else ', labelled plain'})",
+            err=True,
+        )
+
+
 @eval_group.command("longdoc")
 @click.argument("model", required=False, envvar="AHAKV_MODEL")
 @click.option("--tasks", default="single,multikey,multivalue,vartrack,fact", show_default=True, help="Tasks.")
@@ -430,7 +447,8 @@ def eval_needle(
     "--reading",
     default="plain,query,reconstruct",
     show_default=True,
-    help="How the prompt is read: plain, query (guided by the question), reconstruct or surprisal (question-agnostic).",
+    help="How the prompt is read: plain, query (guided by the question), reconstruct or surprisal (question-agnostic); "
+    "a policy without a question score (streaming, h2o, scissorhands, random) reads plainly for query and reconstruct.",
 )
 @click.option("--trials", type=Positive, default=1, show_default=True, help="Items per task, length and depth.")
 @click.option("--seed", default=0, show_default=True)
@@ -493,6 +511,7 @@ def eval_longdoc(
     _lengths_fit(lens, answer, trained)
     files = [str(f) for f in filler_files] or [str(p) for p in default_filler_files()]
     texts = [read_text(f) for f in files]
+    _say_unguided(names, readings)  # once every input is known good: an error stays one line
     rule = specs_rule(names, factors, readings, layouts, n_sink=sinks, n_recent=recent)
     n_items = len(task_list) * len(deps) * trials
     with _bar("eval longdoc", sum(len(rule(n)) for n in lens) * n_items) as bar:

@@ -10,6 +10,8 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+import click
+
 from .bench import LongRow, SpeedRow
 from .evaluation import PplResult
 from .longdoc import LongdocTrial
@@ -18,11 +20,22 @@ from .models import file_sha256
 from .needle import NeedleTrial, accuracy_table
 
 
+def invocation() -> dict:
+    """The command that is writing a report and the value of each of its options, environment and defaults
+    included (``-t`` from AHAKV_THREADS, ``--rpc`` from AHAKV_RPC): enough to run it again. Empty outside a
+    command (a report written from Python)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return {}
+    plain = lambda v: str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v  # noqa: E731
+    return {"command": ctx.command_path, "options": {k: plain(v) for k, v in sorted(ctx.params.items())}}
+
+
 def provenance(model: Path, text: str, tokens: int) -> dict:
     from . import __version__
     from .build import installed_key, plan
 
-    return {
+    return invocation() | {
         "model": str(model),
         "model_sha256": file_sha256(model),
         "text": text,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -279,9 +280,15 @@ def test_eval_ppl_command_writes_every_output(fixture_model, tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
+        env=os.environ | {"AHAKV_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr
     data = json.loads((out / "results.json").read_text())
+    # the command and every option's value, those from the environment and the defaults too: enough to run it again
+    assert data["config"]["command"] == "python -m ahakv_local eval ppl"  # as it was run
+    options = data["config"]["options"]
+    assert options["threads"] == 1 and options["rpc"] is None and options["text_file"].endswith("GPL-3")
+    assert (options["budgets"], options["tokens"], options["model"]) == ("48,0.5", 160, str(fixture_model))
     labels = [r["label"] for r in data["results"]]
     assert labels == ["full", "tova@48", "ahakv@48", "tova@80", "ahakv@80"]
     assert data["config"]["model_sha256"] and data["config"]["patch_sha256"] and data["config"]["tokens"] == 160
@@ -301,6 +308,17 @@ def test_eval_ppl_command_writes_every_output(fixture_model, tmp_path):
            "--budgets", "48", "--out", str(out)]  # fmt: skip
     short = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert short.returncode == 1 and short.stderr.strip() == "error: --tokens 30; need more than --prefix 32 + 1"
+    # --tokens past the text's end: the whole text, said so (it was silent), and the report's length is the text's
+    text = tmp_path / "short.txt"
+    text.write_text(" ".join(f"word{i}" for i in range(60)))
+    cmd[cmd.index("--tokens") + 1] = "99999999"
+    cmd[cmd.index("--prefix") + 1] = "8"
+    cmd += ["--text", str(text), "--policies", "streaming"]
+    whole = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0, whole.stderr
+    tokens = json.loads((out / "results.json").read_text())["config"]["tokens"]
+    assert f"--tokens 99999999: {text} has {tokens} tokens; every one is read" in whole.stderr
+    assert 60 <= tokens < 1000
 
 
 def test_evaluation_budgets_use_the_one_budget_grammar():

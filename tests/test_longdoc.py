@@ -216,6 +216,8 @@ def test_eval_longdoc_command_writes_every_output(fixture_model, tmp_path):
         "-t", "1", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+    # h2o has no question score: its query row is its plain one, said so (the table lost the row without a word)
+    assert "--reading query: h2o cannot be guided by a question; they read plainly (one row each)" in proc.stderr
     data = json.loads((out / "results.json").read_text())
     rows = data["results"]
     configs = ["full", "h2o@4x", "ahakv@4x", "ahakv@4x+query"]

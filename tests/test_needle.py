@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 
@@ -49,10 +50,13 @@ def test_eval_needle_command_writes_every_output(fixture_model, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "ahakv_local", "eval", "needle", str(fixture_model), "--lengths", "300,400",
          "--depths", "0.5", "--budgets", "64", "--policies", "h2o,ahakv", "--recent", "8", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env=os.environ | {"AHAKV_THREADS": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     data = json.loads((out / "results.json").read_text())
+    # how it was run, threads and workers included (ppl and needle kept neither)
+    assert data["config"]["command"].endswith("eval needle")
+    assert (data["config"]["options"]["threads"], data["config"]["options"]["rpc"]) == (1, None)
     rows = data["results"]
     assert [(r["label"], r["budget"], r["length"]) for r in rows] == [
         ("full", "full cache", 300), ("full", "full cache", 400), ("h2o@64", "64 cells", 300),
