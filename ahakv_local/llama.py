@@ -195,6 +195,8 @@ class Llama(llama_cpp.Llama):
         # client left, or the process's, without reaching into llama-cpp-python's generation loop
         self.should_stop: Callable[[], bool] = lambda: False
         self._timing = {"prompt_tokens": 0, "prompt_s": 0.0, "gen_tokens": 0, "gen_s": 0.0, "sampled": 0}
+        if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 0:  # (a budget's plan took -1 for 0)
+            raise AhakvError(f"n_ctx must be 0 (the model's trained context) or more, not {n_ctx!r}")
         if kv_query not in (True, False, *QUESTION_AGNOSTIC):
             raise AhakvError(f"kv_query must be True, False, 'reconstruct' or 'surprisal', not {kv_query!r}")
         self._kv_query_default = kv_query

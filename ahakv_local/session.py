@@ -83,6 +83,10 @@ class SessionSpec:
         if self.reading not in READINGS:
             raise AhakvError(f"reading must be {', '.join(READINGS)}, not {self.reading!r}")
         check_layer_budgets(self.layer_budgets)
+        if (self.evict_every is not None and self.evict_every < 1) or (
+            self.observe_steps is not None and self.observe_steps < 1
+        ):  # (0 was taken for the default period: None is that)
+            raise AhakvError("evict_every must be at least 1 and observe_steps at least 1 (or None: every step)")
         if self.kv_type != KV_TYPE_AUTO:
             check_kv_cache_type(self.kv_type)
 
@@ -111,7 +115,7 @@ class SessionSpec:
     def evict_every_on(self, layout: CacheLayout, chunk: int) -> int:
         """The eviction period: the spec's, or the product's default for what the first group holds (a byte
         budget: laid out first, with the longest default period)."""
-        if self.evict_every:
+        if self.evict_every is not None:
             return self.evict_every
         budget = self.budget
         if budget.mode == "bytes":

@@ -502,6 +502,23 @@ def test_a_refused_budget_leaves_nothing_for_the_next_model(fixture_model):
 
 
 @pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        # 0 was taken for the default period (32), where -1 was refused: None is the default
+        ({"kv_budget": 64, "kv_evict_every": 0}, "evict_every must be at least 1"),
+        ({"kv_budget": 64, "kv_observe_steps": 0}, "observe_steps at least 1"),
+        # with a budget a negative n_ctx was served (upstream, and the drop-in without one, refuse it)
+        ({"kv_budget": 64, "n_ctx": -1}, "n_ctx must be 0 .* or more, not -1"),
+        ({"n_ctx": -100}, "n_ctx must be 0 .* or more, not -100"),
+    ],
+)
+def test_the_drop_in_refuses_a_bad_setting_before_the_model_loads(fixture_model, kwargs, message, monkeypatch):
+    monkeypatch.setattr(Llama, "_load", lambda *a, **kw: pytest.fail("the model was loaded"))
+    with pytest.raises(AhakvError, match=message):
+        Llama(str(fixture_model), verbose=False, **kwargs)
+
+
+@pytest.mark.parametrize(
     ("config", "error"),
     [
         ({"n_seq": 0}, ValueError),
