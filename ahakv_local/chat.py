@@ -196,6 +196,9 @@ class ChatSession:
         bounded cache question-agnostically (reconstruction, or surprisal for a policy no question can guide), so
         what is kept serves the questions to come. ``stop()`` ends the reading between two chunks (a first Ctrl-C):
         the document is then not added, and the conversation is as before."""
+        if path.exists() and not path.is_dir() and not path.is_file():  # (a folder: read_text's own line)
+            # a named pipe without a writer blocked the chat in open(), where a first Ctrl-C cannot stop it
+            raise AhakvError(f"cannot read {path}: not a regular file (a pipe or a device)")
         text = read_text(path)
         if not text.strip():
             raise AhakvError(f"{path} is empty")
@@ -372,6 +375,7 @@ def command(session: ChatSession, cmd: str, arg: str, stop: Callable[[], bool] =
     if cmd == "/help":
         return HELP
     if cmd == "/reset":
+        keep_transcript(session)  # as on exit and before a /load: the conversation it clears was lost
         session.reset()
         return "conversation cleared"
     if cmd == "/stats":

@@ -214,6 +214,7 @@ class KVController:
             if not engine.resizable:
                 raise AhakvError("layer budgets 'adaptive' resize the caches: not possible on a shared context")
             self.shares = LayerShares(engine.layer_sliding)
+        self.opened_bytes = engine.kv_bytes()  # what a new cell budget may be laid out in (``_lays_out``)
         config.budget = self.fitted(config.budget)
         self._check_budget(config.budget, policy)  # with the period the session chose for it
         self.groups: list[LayerGroup] = make_groups(engine, policy, self.allocation(config.budget))
@@ -599,7 +600,7 @@ class KVController:
         every budget is held inside the caches as they are."""
         if not self.policy.evicts:  # accepted, a budget was then never held (cache 284/64)
             raise AhakvError(f"policy {self.policy.name} keeps every token: a budget needs a policy that evicts")
-        lay_out = resize and budget.mode == "bytes" and self.engine.resizable
+        lay_out = resize and self._lays_out(budget)
         planned = self._resize_to
         if lay_out:  # checked against the caches it will have (``_sizes``), not those of now
             self._resize_to = tuple(self.allocation(budget).cache_cells)
@@ -615,6 +616,23 @@ class KVController:
                 self._observe_block()  # the summed rows live in the old context's statistics
             self.resize_now()  # now: a failure is this call's, not the next decode's
         return self.stats.evicted - before
+
+    def _lays_out(self, budget: Budget) -> bool:
+        """Whether ``set_budget(budget, resize=True)`` gives the caches the budget's own layout: a byte budget's, fewer
+        or more bytes; adaptive, a cell budget's that the caches cannot hold as they are, within the memory the session
+        was opened with (or has now, if a byte budget gave it more). Adaptive lays the caches out for the budget in
+        force at each re-split anyway: after a smaller budget they shrank, and the budget the chat was opened with was
+        refused for good (/reset too)."""
+        e = self.engine
+        if not e.resizable:
+            return False
+        if budget.mode == "bytes":
+            return True
+        if self.shares is None or budget.mode != "cells" or self.fits(budget):  # (a smaller one: at the next re-split)
+            return False
+        cells = self.allocation(budget).cache_cells
+        needs = sum(cells[c] * e.cell_bytes(c) for c in e.caches)
+        return needs <= max(self.opened_bytes, e.kv_bytes())
 
     def configure(self, budget: Budget, policy: Policy) -> None:
         """Check ``budget`` with ``policy`` together, then make them the ones in force: the configured budget,

@@ -509,7 +509,9 @@ class Llama(llama_cpp.Llama):
         upstream.restore_positions(self, ids, state.n_tokens, state.seed, scores)
         buf = (ctypes.c_uint8 * state.llama_state_size).from_buffer_copy(state.llama_state)
         _, ctx, _ = upstream.handles(self)
-        if llama_cpp.llama_state_set_data(ctx.ctx, buf, state.llama_state_size) != state.llama_state_size:
+        with upstream.failures_said_by_caller():  # a refusal is this method's one error, not llama.cpp's lines too
+            restored = llama_cpp.llama_state_set_data(ctx.ctx, buf, state.llama_state_size)
+        if restored != state.llama_state_size:
             # whatever llama.cpp restored is not a consistent cache: every cell goes (it left the per-layer caches
             # it had read, and from an empty sequence nothing else cleared them: every later decode failed)
             ctx.kv_cache_clear()
@@ -518,7 +520,7 @@ class Llama(llama_cpp.Llama):
                 self.load_state(backup)
             if self._kv is None:  # llama_cpp.Llama's error (it leaves the sequence half-replaced, this one as it was)
                 raise RuntimeError("Failed to set llama state data")
-            raise ValueError("llama.cpp refused this state (saved with another model or settings)")
+            raise ValueError("llama.cpp refused this state (damaged, or saved with another model or settings)")
         if self._kv is not None:
             self._kv_engine.n_past = self.n_tokens
             self._kv.resync()

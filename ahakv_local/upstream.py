@@ -14,6 +14,7 @@ import ctypes
 import importlib
 import logging
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -135,10 +136,27 @@ _log_callback = None  # the ctypes callback: llama.cpp keeps only its address, s
 _llama_logger: logging.Logger | None = None
 
 
+_said_by_caller = threading.local()  # ``failures_said_by_caller``: this thread's llama.cpp lines are muted
+
+
+@contextlib.contextmanager
+def failures_said_by_caller():
+    """Mute llama.cpp's log in this thread for the block (unless verbose): its caller states a failure in one line of
+    its own. A damaged saved state made llama.cpp print one or two lines of how its reading went wrong
+    ("state_read_meta: invalid seq_id, -65536 is out of range") before the chat's own line."""
+    _said_by_caller.on = True
+    try:
+        yield
+    finally:
+        _said_by_caller.on = False
+
+
 def _print_ggml_log(level: int, text: bytes, _user_data) -> None:
     global _last_log_level
     if level != GGML_LOG_CONT:
         _last_log_level = GGML_LOG_LEVELS.get(level, logging.ERROR)
+    if getattr(_said_by_caller, "on", False) and _llama_logger is not None and _llama_logger.level > logging.DEBUG:
+        return
     if _llama_logger is not None and _llama_logger.level <= _last_log_level:  # upstream's test: set_verbose sets it
         with contextlib.suppress(Exception):  # at shutdown sys.stderr may be gone
             print(text.decode("utf-8", errors="replace"), end="", flush=True, file=sys.stderr)

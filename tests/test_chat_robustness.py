@@ -95,7 +95,7 @@ def test_save_is_state_bytes_and_json_and_load_continues_identically(fixture_mod
         other.llm.close()
 
 
-def test_foreign_and_damaged_files_change_nothing(chat, tmp_path):
+def test_foreign_and_damaged_files_change_nothing(chat, tmp_path, capfd):
     talk(chat, "hello")
     saved = tmp_path / "conv.chat"
     command(chat, "/save", str(saved))
@@ -123,14 +123,18 @@ def test_foreign_and_damaged_files_change_nothing(chat, tmp_path):
         "token ids outside": lambda m, b: ({**m, "input_ids": [10**6] * m["n_tokens"]}, b),
         "no valid conversation": lambda m, b: ({**m, "messages": [{"role": "x", "content": 1}]}, b),
         "another version": lambda m, b: ({**m, "version": 99}, b),
-        "llama.cpp refused": lambda m, b: (m, b[: len(b) // 2]),
+        "llama.cpp refused this state .damaged, or": lambda m, b: (m, b[: len(b) // 2]),
         "invalid KV cache sizes": lambda m, b: ({**m, "cache_cells": [0, "x"]}, b),
         "saved in KV caches of other sizes": lambda m, b: ({**m, "cache_cells": [n + 1 for n in m["cache_cells"]]}, b),
     }
     for message, edit in cases.items():
+        capfd.readouterr()
         with pytest.raises(AhakvError, match=message) as refused:
-            command(chat, "/load", tampered(message.replace(" ", "_"), edit))
+            command(chat, "/load", tampered(message.replace(" ", "_").replace(".", ""), edit))
         assert "\n" not in str(refused.value) and chat.messages == before
+        # the refusal is the one line: llama.cpp's own lines of its reading ("state_set_data: error loading state:
+        # failed to restore kv cache") went to stderr before it
+        assert capfd.readouterr().err == ""
     # the sizes' hint repeats only a budget and a layout that parse: a crafted file's text never reaches the line
     crafted = {"budget": "8MiB\nINJECTED", "layer_budgets": "adaptive\nINJECTED"}
     for key, value in crafted.items():
@@ -222,7 +226,7 @@ def test_a_device_or_a_pipe_is_neither_replaced_by_save_nor_read_by_load(chat, t
     for path in (pipe, "/dev/zero"):
         with pytest.raises(AhakvError, match=r"is not a saved ahakv-local chat \(not a regular file\)"):
             command(chat, "/load", str(path))
-    with pytest.raises(AhakvError, match=r"/dev/zero is over 64 MiB"):
+    with pytest.raises(AhakvError, match=r"cannot read /dev/zero: not a regular file"):  # (was: read to 64 MiB)
         command(chat, "/read", "/dev/zero")
     assert chat.messages == before
 
@@ -846,8 +850,35 @@ def test_load_keeps_the_conversation_it_replaces(chat, tmp_path, monkeypatch):
     talk(chat, "call Bob at 5")  # never saved
     command(chat, "/load", str(tmp_path / "first.chat"))
     kept = [json.loads(p.read_text()) for p in (tmp_path / "cache" / "chats").iterdir()]
-    assert [[m["content"] for m in k if m["role"] == "user"] for k in kept] == [["call Bob at 5"]]
+    # (the first kept by /reset, the second by /load)
+    assert sorted([m["content"] for m in k if m["role"] == "user"] for k in kept) == [["call Bob at 5"], ["first chat"]]
     assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["first chat"]
+
+
+def test_reset_keeps_the_conversation_it_clears(chat, tmp_path, monkeypatch):
+    """/reset threw the conversation away: the README says every conversation is written to <cache>/chats/, and only
+    the one running at exit was."""
+    monkeypatch.setenv("AHAKV_CACHE_DIR", str(tmp_path / "cache"))
+    talk(chat, "my secret plan is to bake a cake")
+    assert command(chat, "/reset", "") == "conversation cleared"
+    assert chat.messages == [] or all(m["role"] == "system" for m in chat.messages)
+    (kept,) = (tmp_path / "cache" / "chats").iterdir()
+    users = [m["content"] for m in json.loads(kept.read_text()) if m["role"] == "user"]
+    assert users == ["my secret plan is to bake a cake"]
+    command(chat, "/reset", "")  # nothing said since: no empty transcript
+    assert len(list((tmp_path / "cache" / "chats").iterdir())) == 1
+
+
+def test_read_refuses_a_pipe_at_once(chat, tmp_path):
+    """/read of a named pipe without a writer blocked in open(), where a first Ctrl-C could not stop it: refused in one
+    line, as /load refuses one, and the conversation goes on."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(AhakvError, match=r"^cannot read .*fifo: not a regular file \(a pipe or a device\)$"):
+        command(chat, "/read", str(fifo))
+    with pytest.raises(AhakvError, match="not a regular file"):
+        command(chat, "/read", "/dev/null")
+    assert talk(chat, "hello") is not None
 
 
 def test_a_chat_saved_before_the_caches_were_recorded_loads(fixture_model, tmp_path):
@@ -900,3 +931,37 @@ def test_a_first_ctrl_c_as_an_answer_ends_does_not_quit(chat, monkeypatch, capsy
     monkeypatch.setattr(chat, "stats_line", stats_line)
     chat_module._repl(chat)  # returns at the end of input: no KeyboardInterrupt
     assert len(chat.messages) == 3 and "seen" in capsys.readouterr().err  # the answer and its stats line
+
+
+def test_a_budget_lowered_then_raised_again_in_the_adaptive_layout(tmp_path):
+    """The adaptive layout lays its caches out for the budget in force at each re-split, so after ``/budget 96`` in a
+    chat started at 192 they shrank, and ``/budget 192`` was refused for good ("does not fit the 289 allocated
+    cells"), /reset included: the memory the chat was opened with holds it, and it is laid out for it again."""
+    path = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
+    s = session(path, budget=192)
+    try:
+        kv, e = s.llm.kv_controller, s.llm.kv_engine
+        assert kv.shares is not None  # the default layout of a model with both kinds of layer
+        opened = e.cache_sizes()
+        assert s.set_budget("96").startswith("budget: 96 cells")
+        for _ in range(3):  # past a re-split: the caches are laid out for 96 cells
+            talk(s, "please tell me about the weather in the mountains " * 12)
+        shrunk = e.cache_sizes()
+        assert sum(shrunk) < sum(opened)
+        # laid out for 192 again (with the layers' shares of now), in at most the memory it was opened with
+        assert re.match(r"budget: 192 cells \(evicted 0 now, KV caches .* -> .*\)", s.set_budget("192"))
+        assert sum(shrunk) < sum(e.cache_sizes()) <= sum(opened)
+        talk(s, "and tomorrow?")
+        assert kv.groups[0].live.size <= 192
+        for g in kv.groups:
+            np.testing.assert_array_equal(g.live, g.read_live(e))
+        s.set_budget("96")
+        for _ in range(3):
+            talk(s, "please tell me about the weather in the mountains " * 12)
+        command(s, "/reset", "")
+        assert s.set_budget("192").startswith("budget: 192 cells")  # after /reset too
+        # beyond the memory it was opened with: still refused, in one line (bytes allocate more)
+        with pytest.raises(AhakvError, match="does not fit the .* allocated cells"):
+            s.set_budget("400")
+    finally:
+        s.llm.close()
