@@ -268,12 +268,13 @@ def means_none(budget: str) -> bool:
 
 
 def asked_budget(budget: str | None, policy: str) -> str | None:
-    """--budget as the command runs with it: ``none`` is no budget, and so is one AHAKV_BUDGET set where the command
-    line asks for --policy full (which keeps every token): an environment's budget had no way out but unsetting it."""
+    """--budget as the command runs with it: ``none`` is no budget, and so is one AHAKV_BUDGET set (or a command's
+    default budget) where the command line asks for --policy full (which keeps every token): an environment's budget
+    had no way out but unsetting it."""
     if budget is not None and means_none(budget):
         return None
-    if policy == "full" and source("budget") is ParameterSource.ENVIRONMENT:
-        return None
+    if policy == "full" and source("budget") in (ParameterSource.ENVIRONMENT, ParameterSource.DEFAULT):
+        return None  # (info's default of 512 too: `info --policy full` was refused for a budget nobody gave)
     return budget
 
 
@@ -420,6 +421,10 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
             finish = choice["finish_reason"] or finish
     except ValueError as exc:  # llama-cpp-python's request errors: the prompt does not fit the context
         raise AhakvError(str(exc)) from None
+    except OSError as exc:  # stdout on a full disk (> /dev/full) was a traceback; a closed pipe is click's (exit 1)
+        if isinstance(exc, BrokenPipeError):
+            raise
+        raise AhakvError(f"cannot write the answer to standard output: {exc.strerror or exc}") from None
     click.echo()
     s = llm.kv_stats()
     if finish == "length" and s.sampled_tokens < n_predict:  # llama-cpp-python cuts max_tokens to the context, silently
@@ -505,6 +510,7 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, **engine)
         from .policies import make_policy
 
         make_policy(engine["policy"])
+        refuse_unguided_reading(engine["policy"], engine["reading"])  # as generate refuses it
     rpc = parse_rpc(engine["rpc"])
     path = resolve_model(model, progress=True)
     model_info = read_info(path)

@@ -1,4 +1,5 @@
-"""A header-only GGUF reader: magic, version, tensor count and the key/value metadata, nothing after.
+"""A header-only GGUF reader: magic, version, tensor count, the key/value metadata and where the tensors' data ends
+(from the tensor infos after the metadata), nothing after.
 
 ``gguf.GGUFReader`` maps the whole file and builds numpy views of every field and tensor (seconds and
 hundreds of MiB for a 250 MB model, mostly the tokenizer's string arrays). This walks the KV section of
@@ -39,6 +40,7 @@ class GGUFHeader:
     n_tensors: int
     kv: dict[str, Value] = field(default_factory=dict)
     kv_end: int = 0  # byte offset where the tensor infos start
+    data_end: int = 0  # the bytes the file needs: where its furthest tensor's data ends
 
 
 class _Corrupt(Exception):
@@ -116,9 +118,15 @@ def read_header(path: str | Path) -> GGUFHeader:
         raise AhakvError(f"cannot read {path}: {exc.strerror or exc}") from None
     with buf:
         try:
-            return _parse(buf)
+            header = _parse(buf)
         except (_Corrupt, struct.error) as exc:
             raise AhakvError(f"corrupt or truncated GGUF header in {path}: {exc}") from None
+        if header.data_end > len(buf):  # (llama.cpp says only "Failed to load model from file")
+            raise AhakvError(
+                f"{path} is cut short: its tensors need {header.data_end:,} bytes, the file has {len(buf):,} "
+                "(an unfinished copy or download?)"
+            )
+        return header
 
 
 def _parse(buf: mmap.mmap) -> GGUFHeader:
@@ -137,4 +145,28 @@ def _parse(buf: mmap.mmap) -> GGUFHeader:
         key = cur.string()
         header.kv[key] = cur.value(cur.scalar("I"))
     header.kv_end = cur.pos
+    header.data_end = _tensor_data_end(cur, header)
     return header
+
+
+def _tensor_data_end(cur: _Cursor, header: GGUFHeader) -> int:
+    """Where the furthest tensor's data ends: the tensor infos (name, dims, type, offset: a few dozen bytes each),
+    then the data section at the next multiple of ``general.alignment``. A tensor of a type ``gguf`` does not know
+    counts from its offset alone."""
+    from gguf.constants import GGML_QUANT_SIZES  # (gguf's package imports numpy: not at the CLI's start)
+
+    end = 0
+    for _ in range(header.n_tensors):
+        cur.string()
+        n_dims = cur.scalar("I")
+        if n_dims > 8:  # GGML_MAX_DIMS is 4
+            raise _Corrupt(f"a tensor of {n_dims} dimensions")
+        count = 1
+        for _ in range(n_dims):
+            count *= cur.scalar("Q")
+        block, type_size = GGML_QUANT_SIZES.get(cur.scalar("I"), (0, 0))
+        offset = cur.scalar("Q")
+        end = max(end, offset + (count // block * type_size if block else 0))
+    align = header.kv.get("general.alignment", 32)
+    align = align if isinstance(align, int) and align > 0 else 32
+    return cur.pos + (-cur.pos % align) + end

@@ -51,6 +51,21 @@ from .policies import Policy, make_policy
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
 
 
+def check_held_past_trained(budget: Budget, allocation: Allocation, n_ctx_train: int) -> None:
+    """Refuse a byte budget whose every full-attention layer holds more cells than the trained context has positions
+    (as ``check_trained_context`` refuses such a cell budget): nothing would ever be evicted. 100GiB was accepted and
+    allocated 106 MiB of caches that held every position."""
+    if budget.mode != "bytes" or not n_ctx_train:
+        return
+    held = [b.value for i, b in enumerate(allocation.groups) if not allocation.group_slides(i) and b.mode == "cells"]
+    if held and min(held) > n_ctx_train:
+        raise AhakvError(
+            f"budget {budget} holds {int(min(held))} cells in every full-attention layer, past the model's trained "
+            f"context of {n_ctx_train} positions, so nothing would ever be evicted: use a smaller budget, or none for "
+            "the full cache"
+        )
+
+
 @dataclass(frozen=True)
 class SessionSpec:
     """What a bounded sequence is: a policy with its parameters, a budget and an eviction schedule.
@@ -204,6 +219,7 @@ class SessionSpec:
         # every cache sized exactly as the budget is laid out on the layer groups (budget.allocate), not padded to
         # 256 cells: no cell past them is allocated or scanned by attention once evictions scatter the live ones
         allocation = spec.allocation_on(model, chunk, longest)
+        check_held_past_trained(spec.budget, allocation, info.n_ctx_train)
         layer_cells = allocation.layer_cells(info.layer_sliding)
         return CachePlan(spec, n_batch, chunk, max(allocation.cache_cells), longest, allocation, layer_cells)
 

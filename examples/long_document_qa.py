@@ -28,7 +28,13 @@ INTRO = (
 )
 QUESTION = "What is the pass key? Remember: the pass key is a number."
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+class OneLineErrors(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints its usage block first: the error alone, one line
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+parser = OneLineErrors(description=__doc__.splitlines()[0])
 parser.add_argument("--document", type=Path, default=Path("/usr/share/common-licenses/GPL-3"))
 parser.add_argument("--budget", type=int, default=256, help="KV cells of a full-attention layer")
 parser.add_argument("--depth", type=float, default=0.5, help="where the key sits, as a fraction of the paragraphs")

@@ -244,6 +244,13 @@ def test_info_without_a_sliding_window_has_one_baseline(fixture_model):
     "args, env, message",
     [
         (["--budget", "5000"], {}, r"error: budget 5000 cells exceeds the model's trained context of 4096 positions"),
+        # the same in bytes (100GiB allocated caches that held every position, and nothing was ever evicted)
+        (
+            ["--budget", "100MiB"],
+            {},
+            r"error: budget 100 MiB holds \d+ cells in every full-attention layer, past the "
+            r"model's trained context of 4096 positions",
+        ),
         (["--budget", "30"], {}, r"error: budget 30 is smaller than sinks \+ recent \+ newest \(4 \+ 32 \+ 1\)"),
         # the schedule's variables, which info ignored (it stated 229 cells)
         (["--budget", "100"], {"AHAKV_SINKS": "64", "AHAKV_RECENT": "64"}, r"error: budget 100 is smaller than sinks"),
@@ -255,6 +262,12 @@ def test_info_without_a_sliding_window_has_one_baseline(fixture_model):
         # the policy's own refusals, which info had no owner to ask (it stated 4,096 and 165 cells)
         (["--budget", "auto", "--policy", "h2o"], {}, r"error: an auto budget needs a policy with an error model"),
         (["--budget", "100", "--policy", "full"], {}, r"error: policy full keeps every token: these caches hold 165"),
+        # a reading no question guides with this policy (info stated an allocation for it)
+        (
+            ["--budget", "100", "--policy", "h2o", "--reading", "reconstruct"],
+            {},
+            r"error: --reading reconstruct needs a policy a question can guide",
+        ),
     ],
 )
 def test_info_refuses_what_generate_refuses_in_the_same_words(fixture_model, args, env, message):
@@ -842,6 +855,11 @@ def test_info_reads_the_environment_as_generate_does(fixture_model):
     # --policy full over AHAKV_BUDGET runs without the budget (generate's way out): the full caches alone
     full = ahakv("info", str(fixture_model), env={**env, "AHAKV_POLICY": "full"})
     assert full.returncode == 0 and "KV at budget" not in full.stdout and "KV full cache" in full.stdout
+    # and over info's own default budget (512), which nobody gave: it was refused as more than the caches hold
+    for way in (["--policy", "full"], []):
+        alone = ahakv("info", str(fixture_model), *way, env={**os.environ, "AHAKV_POLICY": "full"})
+        assert alone.returncode == 0, alone.stderr
+        assert alone.stdout == ahakv("info", str(fixture_model), "--budget", "none").stdout
 
 
 @pytest.mark.parametrize("threads", ["abc", "0", "100000"])
@@ -935,3 +953,14 @@ def test_eval_refuses_a_policy_or_layout_before_the_model_is_read(command, tmp_p
         proc = ahakv("eval", command, missing, option, "bogus", "--out", str(tmp_path / "out"))
         assert proc.returncode != 0 and said in proc.stderr and "missing.gguf" not in proc.stderr, proc.stderr
         assert proc.stderr.count("\n") == 1
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+def test_an_answer_that_cannot_be_written_is_one_line(fixture_model):
+    """generate with stdout on a full disk (> /dev/full) ended in a traceback."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ahakv_local", "generate", str(fixture_model), "-p", "hello there", "-n", "4"],
+            stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
+        )  # fmt: skip
+    assert_one_line_error(proc, r"error: cannot write the answer to standard output: No space left on device")

@@ -34,6 +34,8 @@ def assert_same_as_gguf_reader(path) -> None:
             assert list(value) == f.contents(), key
     last = fields[list(fields)[-1]]
     assert header.kv_end == last.offset + sum(part.nbytes for part in last.parts)
+    # where the tensors' data ends, from GGUFReader's own tensors (absolute offsets and sizes)
+    assert header.data_end == max((t.data_offset + t.n_bytes for t in reader.tensors), default=header.data_end)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -49,13 +51,23 @@ def test_header_equals_gguf_reader_on_the_default_model(gemma_model):
     assert (info.head_dim_k, info.sliding_window, info.n_ctx_train) == (256, 512, 32768)
 
 
-def test_tensor_data_is_never_read(fixture_model, tmp_path):
-    """A file cut right after its metadata (no tensor infos, no tensor data) reads the same."""
+def test_a_file_cut_short_is_refused_in_one_line(fixture_model, tmp_path):
+    """A model cut inside its tensor data (an unfinished copy) passed `info` whole, and generate failed with llama.cpp's
+    "Failed to load model from file": the tensor infos say how long the file must be. Cut exactly there, it reads."""
+    data = fixture_model.read_bytes()
     full = read_header(fixture_model)
+    assert full.kv_end < full.data_end <= len(data)
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(fixture_model.read_bytes()[: full.kv_end])
+    cut.write_bytes(data[: full.kv_end])  # in the tensor infos
+    with pytest.raises(AhakvError, match="corrupt or truncated GGUF header"):
+        read_header(cut)
+    for n in ((full.kv_end + full.data_end) // 2, full.data_end - 1):  # in the tensors' data
+        cut.write_bytes(data[:n])
+        with pytest.raises(AhakvError, match=rf"cut\.gguf is cut short: its tensors need {full.data_end:,} bytes, the "
+                           rf"file has {n:,} \(an unfinished copy or download\?\)$"):  # fmt: skip
+            read_header(cut)
+    cut.write_bytes(data[: full.data_end])
     assert read_header(cut) == full
-    assert read_info(cut).n_layer == read_info(fixture_model).n_layer
 
 
 def test_every_truncation_of_the_header_is_an_ahakv_error(fixture_model, tmp_path):
