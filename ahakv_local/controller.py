@@ -474,8 +474,7 @@ class KVController:
             self._resize()
         self._set_tap(flags, 0)  # every row of the query
         if flags & TapFlag.SIDE:
-            target = self.groups[0].budget.target(e.n_past) or self.live.size
-            e.set_side_scale(self.policy.side_scale(e.n_past, target))
+            e.set_side_scale(self.policy.side_scale(e.n_past, self._side_budget(e.n_past) or self.live.size))
         e.reset_stats()
         try:
             e.decode(list(query))
@@ -785,11 +784,22 @@ class KVController:
         if self._resize_to is not None:
             self._resize()
         if flags & TapFlag.SIDE:
-            target = self.groups[0].budget.target(e.n_past + n_tokens) or self.stats.budget or n_tokens
+            target = self._side_budget(e.n_past + n_tokens) or self.stats.budget or n_tokens
             e.set_side_scale(self.policy.side_scale(e.n_past + n_tokens, target))
         if observe or (flags & TapFlag.ATTN and self.policy.accumulates and not self._pending):  # a new block
             e.reset_stats()  # (another policy's rows between observations are only summed, then dropped here)
         return flags
+
+    def _side_budget(self, n: int) -> float | None:
+        """k of the side pass's lambda(n) = sqrt(2 ln(n/k)/d) (one scale for every layer of a sequence): the cells a
+        full-attention layer holds at n positions, their mean over the full-attention groups (the budget: a per-layer
+        layout's shares have mean 1). It was the first group's target, in the per-layer layouts one layer's share
+        (adaptive: whatever its last re-split gave it): every layer's sharpening drifted with it. None: not decided
+        yet (an auto budget)."""
+        targets = [g.budget.target(n) for g in self.groups if not g.window]
+        if not targets or any(t is None for t in targets):
+            return None
+        return sum(targets) / len(targets)
 
     def _after_decode(self, start: int, flags: TapFlag, observe: bool) -> None:
         e = self.engine

@@ -482,3 +482,32 @@ def test_a_sliding_layers_statistics_align_with_the_positions_its_window_sees(si
             inside = np.isin(own.positions, live[seen])
             np.testing.assert_array_equal(got.values[flag][0][:, seen], own.values[:, inside])
             assert not got.values[flag][0][:, ~seen].any()
+
+
+@pytest.mark.parametrize("layout", ["pyramid", "adaptive"])
+def test_the_side_pass_is_sharpened_for_the_budget_whatever_one_layer_holds(six_layers, license_text, layout,
+                                                                            monkeypatch):  # fmt: skip
+    """AhaKV's side pass is sharpened by lambda(n) = sqrt(2 ln(n / k) / d), k the budget (README, the paper); one
+    scale serves every layer of a sequence. In the per-layer layouts k was the first group's target, one full-attention
+    layer's share: under pyramid its 1 + slope times the budget, under adaptive whatever its last re-split gave it. The
+    reference is the formula at the cell budget itself, which the full-attention layers hold on average."""
+    monkeypatch.setattr(adaptive, "ADAPT_EVERY", 48)
+    budget = 48
+    spec = SessionSpec.bounded("ahakv", budget, n_recent=8, evict_every=4, layer_budgets=layout)
+    with open_session(six_layers, spec, longest=400, n_ubatch=CHUNK) as s:
+        c, e = s.controller, s.engine
+        scales: list[tuple[int, float]] = []
+        real = e.set_side_scale
+        monkeypatch.setattr(e, "set_side_scale", lambda x: scales.append((e.n_past, x)) or real(x))
+        toks = e.tokenize(license_text)[:300]
+        c.prefill(toks[:200])
+        for t in toks[200:]:
+            c.step(t)
+        full = [g.budget.value for g in c.groups if not g.window]
+        assert len(set(full)) > 1  # the full-attention layers hold different shares: the case in question
+        if layout == "adaptive":
+            assert c.shares.decisions >= 2
+        decoded = [(n, x) for n, x in scales if n >= 200]
+        assert len(decoded) >= 25
+        for n, x in decoded:  # (n_past before the one-token decode: the scale is for n + 1 positions seen)
+            assert x == pytest.approx(max(1.0, np.sqrt(2 * np.log((n + 1) / budget))), rel=1e-12)
