@@ -241,7 +241,9 @@ def check_model(path, batch_size: int | None) -> None:
     (llama-cpp-python holds batch x vocabulary logits: Gemma 3's --batch-size 100000 asked for 97.7 GiB)."""
     from .info import read_info
 
-    trained = read_info(path).n_ctx_train
+    info = read_info(path)
+    info.check_whole()
+    trained = info.n_ctx_train
     if batch_size is not None and batch_size > trained:
         raise AhakvError(f"--batch-size {batch_size} is more than the model's trained context ({trained} tokens)")
 
@@ -514,6 +516,8 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, **engine)
     rpc = parse_rpc(engine["rpc"])
     path = resolve_model(model, progress=True)
     model_info = read_info(path)
+    if model_info.cut_short is not None:  # what its header says is still worth stating; loading it is not possible
+        click.echo(f"note: {model_info.cut_short}: no command can load it", err=True)
     if budget is None:
         click.echo(describe(model_info, ctx_size, ubatch_size, None))
         return

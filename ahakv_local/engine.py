@@ -178,7 +178,9 @@ class Engine:
         if not path.is_file():
             raise AhakvError(f"model file not found: {path}")
         # one line for a model the tap or eviction cannot handle, or K/V types its heads cannot be stored in
-        check_kv_types(read_info(path), config.type_k, config.type_v)
+        info = read_info(path)
+        info.check_whole()
+        check_kv_types(info, config.type_k, config.type_v)
         cache_cells = self._check_cache_cells(config, min(config.n_ubatch, config.n_batch))
         groups = config.layer_groups
         if config.n_seq < 1:

@@ -118,15 +118,9 @@ def read_header(path: str | Path) -> GGUFHeader:
         raise AhakvError(f"cannot read {path}: {exc.strerror or exc}") from None
     with buf:
         try:
-            header = _parse(buf)
+            return _parse(buf)
         except (_Corrupt, struct.error) as exc:
             raise AhakvError(f"corrupt or truncated GGUF header in {path}: {exc}") from None
-        if header.data_end > len(buf):  # (llama.cpp says only "Failed to load model from file")
-            raise AhakvError(
-                f"{path} is cut short: its tensors need {header.data_end:,} bytes, the file has {len(buf):,} "
-                "(an unfinished copy or download?)"
-            )
-        return header
 
 
 def _parse(buf: mmap.mmap) -> GGUFHeader:

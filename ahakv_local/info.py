@@ -54,6 +54,24 @@ class ModelInfo:
     file_bytes: int
     n_layer_swa: int = 0  # layers that read the sliding-window cache (the others read the full one)
     layer_sliding: tuple[bool, ...] = ()  # by layer: whether it reads the sliding-window cache
+    data_bytes: int = 0  # the bytes the file needs: where its furthest tensor's data ends
+
+    @property
+    def cut_short(self) -> str | None:
+        """What is wrong with a file shorter than its tensors need (an unfinished copy or download), else None. Its
+        header is whole, so ``info`` states its caches; no command can load it (llama.cpp says only "Failed to load
+        model from file")."""
+        if self.data_bytes <= self.file_bytes:
+            return None
+        return (
+            f"{self.path} is cut short: its tensors need {self.data_bytes:,} bytes, the file has {self.file_bytes:,} "
+            "(an unfinished copy or download?)"
+        )
+
+    def check_whole(self) -> None:
+        """One line, before llama.cpp reads the file, for a file cut short."""
+        if self.cut_short is not None:
+            raise AhakvError(self.cut_short)
 
     def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
         """K and V of one token over all layers, F16 by default."""
@@ -204,7 +222,8 @@ def read_info(path: Path) -> ModelInfo:
 
 
 def _read_info(path: Path) -> ModelInfo:
-    kv = read_header(path).kv
+    header = read_header(path)
+    kv = header.kv
     arch = _architecture(kv, path)
 
     def num(key: str, default: int = 0) -> int:
@@ -233,6 +252,7 @@ def _read_info(path: Path) -> ModelInfo:
         file_bytes=path.stat().st_size,
         n_layer_swa=sum(sliding),
         layer_sliding=sliding,
+        data_bytes=header.data_end,
     )
 
 

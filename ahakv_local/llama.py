@@ -107,6 +107,7 @@ def check_cells(
         if budget is None:
             return
         raise
+    info.check_whole()
     cells = cells or info.n_ctx_train  # n_ctx=0: llama.cpp allocates the trained context
     if budget is not None:
         check_trained_context(budget, info.n_ctx_train)

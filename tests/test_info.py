@@ -51,23 +51,32 @@ def test_header_equals_gguf_reader_on_the_default_model(gemma_model):
     assert (info.head_dim_k, info.sliding_window, info.n_ctx_train) == (256, 512, 32768)
 
 
-def test_a_file_cut_short_is_refused_in_one_line(fixture_model, tmp_path):
-    """A model cut inside its tensor data (an unfinished copy) passed `info` whole, and generate failed with llama.cpp's
-    "Failed to load model from file": the tensor infos say how long the file must be. Cut exactly there, it reads."""
+def test_a_file_cut_short_is_refused_before_llama_cpp_reads_it(fixture_model, tmp_path):
+    """A model cut inside its tensor data (an unfinished copy): generate failed with llama.cpp's "Failed to load model
+    from file". The tensor infos say how long the file must be: the engine and the drop-in refuse it in one line before
+    llama.cpp reads it, with or without a budget; its header is whole, so its figures still read (``info``). Cut
+    exactly at the end of its data, it is whole."""
+    from ahakv_local import Llama
+    from ahakv_local.engine import Engine
+
     data = fixture_model.read_bytes()
     full = read_header(fixture_model)
     assert full.kv_end < full.data_end <= len(data)
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(data[: full.kv_end])  # in the tensor infos
+    cut.write_bytes(data[: full.kv_end])  # in the tensor infos: the header is not whole
     with pytest.raises(AhakvError, match="corrupt or truncated GGUF header"):
         read_header(cut)
     for n in ((full.kv_end + full.data_end) // 2, full.data_end - 1):  # in the tensors' data
         cut.write_bytes(data[:n])
-        with pytest.raises(AhakvError, match=rf"cut\.gguf is cut short: its tensors need {full.data_end:,} bytes, the "
-                           rf"file has {n:,} \(an unfinished copy or download\?\)$"):  # fmt: skip
-            read_header(cut)
+        info = read_info(cut)
+        assert info.n_layer == read_info(fixture_model).n_layer
+        message = rf"cut\.gguf is cut short: its tensors need {full.data_end:,} bytes, the file has {n:,} \(an "
+        for load in (lambda: Engine(cut), lambda: Llama(str(cut), verbose=False),
+                     lambda: Llama(str(cut), kv_budget=64, verbose=False)):  # fmt: skip
+            with pytest.raises(AhakvError, match=message):
+                load()
     cut.write_bytes(data[: full.data_end])
-    assert read_header(cut) == full
+    assert read_info(cut).cut_short is None and read_header(cut) == full
 
 
 def test_every_truncation_of_the_header_is_an_ahakv_error(fixture_model, tmp_path):

@@ -115,6 +115,8 @@ def test_info_reads_only_the_header(tmp_path):
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "KV at budget   256 cells" in proc.stdout
+    # and says that no command can load it (generate failed in llama.cpp: "Failed to load model from file")
+    assert proc.stderr.startswith(f"note: {part} is cut short: its tensors need ")
 
 
 def test_info_command_prints_both_layouts(gemma_model):
