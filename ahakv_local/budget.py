@@ -355,6 +355,21 @@ def check_trained_context(budget: Budget, n_ctx_train: int) -> None:
         )
 
 
+def check_held_past_trained(budget: Budget, allocation: Allocation, n_ctx_train: int) -> None:
+    """Refuse a byte budget whose every full-attention layer holds more cells than the trained context has positions
+    (as ``check_trained_context`` refuses such a cell budget): nothing would ever be evicted. 100GiB was accepted and
+    allocated caches that held every position."""
+    if budget.mode != "bytes" or not n_ctx_train:
+        return
+    held = [b.value for i, b in enumerate(allocation.groups) if not allocation.group_slides(i) and b.mode == "cells"]
+    if held and min(held) > n_ctx_train:
+        raise AhakvError(
+            f"budget {budget} holds {int(min(held))} cells in every full-attention layer, past the model's trained "
+            f"context of {n_ctx_train} positions, so nothing would ever be evicted: use a smaller budget, or none for "
+            "the full cache"
+        )
+
+
 # the product's eviction period, shorter only where a budget leaves it no room (default_evict_every)
 LONGEST_PERIOD = 32
 

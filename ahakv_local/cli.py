@@ -241,9 +241,7 @@ def check_model(path, batch_size: int | None) -> None:
     (llama-cpp-python holds batch x vocabulary logits: Gemma 3's --batch-size 100000 asked for 97.7 GiB)."""
     from .info import read_info
 
-    info = read_info(path)
-    info.check_whole()
-    trained = info.n_ctx_train
+    trained = read_info(path).n_ctx_train  # (a file cut short: the engine and the drop-in refuse it before loading)
     if batch_size is not None and batch_size > trained:
         raise AhakvError(f"--batch-size {batch_size} is more than the model's trained context ({trained} tokens)")
 

@@ -101,12 +101,18 @@ class ControllerConfig:
     period_follows_budget: bool = False
 
     def __post_init__(self) -> None:
-        if self.evict_every < 1 or (self.observe_steps is not None and self.observe_steps < 1):
-            raise AhakvError("evict_every must be at least 1 and observe_steps at least 1 (or None: every step)")
+        check_schedule(self.evict_every, self.observe_steps)
         if self.n_sink < 0 or self.n_recent < 0:
             raise AhakvError(f"sinks and recent must be at least 0, not {self.n_sink} and {self.n_recent}")
         if self.pinned is not None and not 0 <= self.pinned[0] <= self.pinned[1]:
             raise AhakvError(f"a pinned span is [start, end) with 0 <= start <= end, not {self.pinned}")
+
+
+def check_schedule(evict_every: int | None, observe_steps: int | None) -> None:
+    """An eviction period of at least one step (None: the product's default, where a caller has one) and at least one
+    observed step (None: every step)."""
+    if (evict_every is not None and evict_every < 1) or (observe_steps is not None and observe_steps < 1):
+        raise AhakvError("evict_every must be at least 1 and observe_steps at least 1 (or None: every step)")
 
 
 @dataclass

@@ -27,6 +27,7 @@ from .budget import (
     LayerBudgets,
     Reading,
     allocate,
+    check_held_past_trained,
     check_layer_budgets,
     check_trained_context,
     default_evict_every,
@@ -40,6 +41,7 @@ from .controller import (
     Surprisal,
     check_floor,
     check_policy,
+    check_schedule,
     fit_to_cells,
 )
 from .engine import Engine, EngineConfig, kv_type_config
@@ -49,21 +51,6 @@ from .policies import Policy, make_policy
 
 # what the reconstruction pass reads behind each chunk before the chunk itself again (KVzip's repeat prompt)
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
-
-
-def check_held_past_trained(budget: Budget, allocation: Allocation, n_ctx_train: int) -> None:
-    """Refuse a byte budget whose every full-attention layer holds more cells than the trained context has positions
-    (as ``check_trained_context`` refuses such a cell budget): nothing would ever be evicted. 100GiB was accepted and
-    allocated 106 MiB of caches that held every position."""
-    if budget.mode != "bytes" or not n_ctx_train:
-        return
-    held = [b.value for i, b in enumerate(allocation.groups) if not allocation.group_slides(i) and b.mode == "cells"]
-    if held and min(held) > n_ctx_train:
-        raise AhakvError(
-            f"budget {budget} holds {int(min(held))} cells in every full-attention layer, past the model's trained "
-            f"context of {n_ctx_train} positions, so nothing would ever be evicted: use a smaller budget, or none for "
-            "the full cache"
-        )
 
 
 @dataclass(frozen=True)
@@ -98,10 +85,7 @@ class SessionSpec:
         if self.reading not in READINGS:
             raise AhakvError(f"reading must be {', '.join(READINGS)}, not {self.reading!r}")
         check_layer_budgets(self.layer_budgets)
-        if (self.evict_every is not None and self.evict_every < 1) or (
-            self.observe_steps is not None and self.observe_steps < 1
-        ):  # (0 was taken for the default period: None is that)
-            raise AhakvError("evict_every must be at least 1 and observe_steps at least 1 (or None: every step)")
+        check_schedule(self.evict_every, self.observe_steps)  # (0 was taken for the default period: None is that)
         if self.kv_type != KV_TYPE_AUTO:
             check_kv_cache_type(self.kv_type)
 

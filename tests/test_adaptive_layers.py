@@ -510,4 +510,5 @@ def test_the_side_pass_is_sharpened_for_the_budget_whatever_one_layer_holds(six_
         decoded = [(n, x) for n, x in scales if n >= 200]
         assert len(decoded) >= 25
         for n, x in decoded:  # (n_past before the one-token decode: the scale is for n + 1 positions seen)
+            # (the value handed to the engine, a float64 from math.log/sqrt against numpy's: a few ulps apart at most)
             assert x == pytest.approx(max(1.0, np.sqrt(2 * np.log((n + 1) / budget))), rel=1e-12)
