@@ -2,18 +2,24 @@
 controller's own methods (no profiler: its overhead would swamp parts of a few microseconds) over AhaKV decode steps
 after a prompt twice the budget, in a session opened as the product opens one. Prints each part's milliseconds per
 token; the parts nest (``before`` holds the summed block's observation and the resize, ``evict`` the fills), so they
-do not add up. Compare layouts, or two checkouts (``PYTHONPATH=../before``), run after run on a quiet machine.
+do not add up. Then the steps by kind: a steady step (no eviction, no resize), an eviction step (the observed step,
+its two observations and the evictions) and a resize step (a new context of the adaptive shares' sizes), each kind's
+median and what the eviction and resize steps add to a token over the steady median.
 
-    AHAKV_THREADS=2 python benchmarks/decode_parts.py --layer-budgets adaptive
-    AHAKV_THREADS=2 python benchmarks/decode_parts.py --layer-budgets natural
+Several layouts (``--layer-budgets natural,adaptive``) run in one process, ``--rounds`` times in turn from the same
+prompt, so their figures are side by side; or compare two checkouts (``PYTHONPATH=../before``) on a quiet machine.
+
+    AHAKV_THREADS=2 python benchmarks/decode_parts.py --layer-budgets natural,adaptive --steps 256 --rounds 4
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import time
 from collections import Counter
+from contextlib import ExitStack
 
 from common import file_tokens  # benchmarks/ is the script's directory: sys.path[0]
 
@@ -54,7 +60,8 @@ def main() -> None:
     ap.add_argument("--policy", default="ahakv")
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--steps", type=int, default=320)
-    ap.add_argument("--layer-budgets", default="adaptive")
+    ap.add_argument("--layer-budgets", default="adaptive", help="one layout or several, comma-separated")
+    ap.add_argument("--rounds", type=int, default=1, help="each layout this many times, in turn")
     args = ap.parse_args()
     seconds: Counter = Counter()
     for cls, name, label in PARTS:
@@ -62,20 +69,50 @@ def main() -> None:
     model = default_model_path()
     n_prompt = 2 * args.budget
     tokens = file_tokens(model, args.text, n_prompt + args.steps)
-    spec = SessionSpec.bounded(args.policy, args.budget, layer_budgets=args.layer_budgets)
-    with open_session(model, spec, len(tokens)) as session:
-        ctl = session.controller
-        ctl.prefill(tokens[:n_prompt])
-        seconds.clear()
-        t0 = time.perf_counter()
-        for tok in tokens[n_prompt:]:
-            ctl.step(tok)
-        total = time.perf_counter() - t0
-    per_token = lambda s: s / args.steps * 1000  # noqa: E731
-    outside = per_token(total - seconds["llama_decode"])
-    print(f"{args.layer_budgets} {args.policy}: {per_token(total):.3f} ms a token, {outside:.3f} outside llama_decode")
-    for _, _, label in PARTS:
-        print(f"  {label:34s} {per_token(seconds[label]):.3f} ms")
+    layouts = args.layer_budgets.split(",")
+    parts = {lb: Counter() for lb in layouts}
+    steps: dict[str, list[tuple[str, float]]] = {lb: [] for lb in layouts}  # (kind, seconds) of every step
+    with ExitStack() as stack:
+        sessions = {
+            lb: stack.enter_context(
+                open_session(model, SessionSpec.bounded(args.policy, args.budget, layer_budgets=lb), len(tokens))
+            )
+            for lb in layouts
+        }
+        for _ in range(args.rounds):
+            for lb, session in sessions.items():
+                session.reset()
+                ctl = session.controller
+                ctl.prefill(tokens[:n_prompt])
+                seconds.clear()
+                for tok in tokens[n_prompt:]:
+                    before = seconds["  resizes"], seconds["evictions"]
+                    t0 = time.perf_counter()
+                    ctl.step(tok)
+                    took = time.perf_counter() - t0
+                    seconds["total"] += took
+                    kind = "resize" if seconds["  resizes"] > before[0] else "steady"
+                    kind = "eviction" if seconds["evictions"] > before[1] else kind
+                    steps[lb].append((kind, took))
+                parts[lb].update(seconds)
+    n = args.steps * args.rounds
+    per_token = lambda s: s / n * 1000  # noqa: E731
+    for lb in layouts:
+        total, p = per_token(parts[lb]["total"]), parts[lb]
+        outside = total - per_token(p["llama_decode"])
+        print(f"{lb} {args.policy}: {total:.3f} ms a token, {outside:.3f} outside llama_decode")
+        for _, _, label in PARTS:
+            print(f"  {label:34s} {per_token(p[label]):.3f} ms")
+        steady = statistics.median(t for k, t in steps[lb] if k == "steady")
+        for kind in ("steady", "eviction", "resize"):
+            took = [t for k, t in steps[lb] if k == kind]
+            if not took:
+                continue
+            median = statistics.median(took) * 1000
+            line = f"  {kind} steps: {len(took) / args.rounds:g} a round, median {median:.2f} ms"
+            if kind != "steady":
+                line += f", {per_token(sum(t - steady for t in took)):+.3f} ms a token over the steady median"
+            print(line)
 
 
 if __name__ == "__main__":
