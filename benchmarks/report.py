@@ -1,4 +1,5 @@
-"""Runs the default evaluation and benchmark set and writes benchmarks/RESULTS.md.
+"""Runs the default evaluation and benchmark set and writes its part of benchmarks/RESULTS.md: everything above the
+file's ``---`` line; the record below it (component benchmarks, each session's measurements) is kept as it is.
 
     python benchmarks/report.py [--extras]     # Gemma 3 270M, ~27 min on a 2-core CPU (+12 with --extras)
     python benchmarks/report.py --quick --model fixture --results /tmp/R.md   # seconds, a smoke run
@@ -23,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 LICENSES = Path("/usr/share/common-licenses")
 TEXTS = {"GPL-3": LICENSES / "GPL-3", "MPL-1.1": LICENSES / "MPL-1.1"}  # 7.6K and 5.7K tokens, two families
 VERSUS = ("h2o", "scissorhands", "tova", "streaming")
+RECORD = "---"  # the line between the report's own part and the record below it (``kept_record``)
 
 
 def settings(quick: bool) -> dict:
@@ -155,10 +157,20 @@ def main() -> None:
         lines += ["", f"![long run to the trained context]({rel}/long_run_full.png)", ""]
     lines += ["## Timings", ""]
     lines += [f"- {seconds / 60:.1f} min: `{cmd}`" for cmd, seconds in log]
-    components = (HERE / "COMPONENTS.md").read_text().splitlines()
-    lines += ["", "---", "", *[("#" + ln if ln.startswith("#") else ln) for ln in components]]
+    lines += ["", *kept_record(Path(args.results))]
     Path(args.results).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.results} in {(time.perf_counter() - started) / 60:.1f} min")
+
+
+def kept_record(results: Path) -> list[str]:
+    """The part of an existing results file from its ``RECORD`` line on: the component benchmarks and what each
+    session measured, with their commands, added by hand below the report. The report rewrites only its own part
+    above that line (it once rewrote the whole file from a copy of the record that had fallen 3,000 lines behind)."""
+    try:
+        lines = results.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return lines[lines.index(RECORD) :] if RECORD in lines else []
 
 
 def targets(ppl: dict, speed: dict, s: dict, full_context: dict | None) -> list[str]:

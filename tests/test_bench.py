@@ -62,8 +62,11 @@ def test_bench_speed_command_writes_every_output(fixture_model, tmp_path):
 
 
 def test_report_script_runs_every_command_and_writes_results(tmp_path):
-    """benchmarks/report.py --quick on the fixture: the same code path as the full report, in seconds."""
+    """benchmarks/report.py --quick on the fixture: the same code path as the full report, in seconds. It rewrites
+    its own part of an existing results file and keeps the record below the file's "---" line as it is."""
     results = tmp_path / "RESULTS.md"
+    record = "---\n\n## Component benchmarks\n\nA session's table, by hand:\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
+    results.write_text("# Results\n\nAn earlier report's part.\n\n" + record)
     script = Path(__file__).parents[1] / "benchmarks" / "report.py"
     proc = subprocess.run(
         [sys.executable, str(script), "--quick", "--model", "fixture", "--out", str(tmp_path / "out"),
@@ -82,6 +85,8 @@ def test_report_script_runs_every_command_and_writes_results(tmp_path):
     )
     for section in sections:
         assert section in text
+    assert text.endswith("\n" + record) and "An earlier report's part" not in text
+    assert text.index("## Timings") < text.index("## Component benchmarks")
     assert "ahakv -error_model" in text and "| long run at 256 tokens" in text
     # the Targets table's verdicts follow from the figures on their rows (a verdict that always said "met" passed)
     targets = text.split("## Targets")[1].split("\n## ")[0]

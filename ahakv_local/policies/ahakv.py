@@ -53,7 +53,7 @@ class AhaKV(Policy):
     # question's plain attention (what it looks at, as FINCH/SnapKV) pooled over ``query_kernel`` neighbours,
     # with the learned head weights; and, while such a prompt is read (``Policy.reading``), the running score
     # pooled over ``read_kernel`` neighbours, so that a key's tokens stay together. Everywhere else the running
-    # score is per token (the paper's): pooled, it costs perplexity (benchmarks/COMPONENTS.md, issue 12).
+    # score is per token (the paper's): pooled, it costs perplexity (benchmarks/RESULTS.md, "Long documents").
     # 11 each (was 7): on the tuning texts' passkeys at 8x 4/5 solved against 2/5, at 4x the same (RESULTS.md)
     query_kernel: int = 11
     read_kernel: int = 11
