@@ -141,7 +141,22 @@ class ChatSession:
     def stats_report(self) -> str:
         s = self.llm.kv_stats()
         kv = self.llm.kv_controller
-        lines = [f"{k:18s} {v:.3f}" if isinstance(v, float) else f"{k:18s} {v}" for k, v in s.as_dict().items()]
+        lines = []
+        for k, v in s.as_dict().items():
+            if k == "kv_kind_bytes":
+                kinds = ", ".join(
+                    f"{kind} {kv_size(u)} of {kv_size(a)} ({n} cache{'s' * (n > 1)})" for kind, (a, u, n) in v.items()
+                )
+                lines.append(f"{'kv by kind':18s} {kinds or '-'} (used of allocated)")
+            elif k == "kv_group_bytes":  # one line a group, by layer (the caches come full-attention ones first)
+                lines.append(f"{'kv by group':18s} used of allocated")
+                lines += [
+                    f"  {name:16s} {kv_size(u)} of {kv_size(a)}" for name, (a, u) in sorted(v.items(), key=_by_layer)
+                ]
+            elif k == "kv_bytes":
+                lines.append(f"{k:18s} {v} ({kv_size(v)})")
+            else:
+                lines.append(f"{k:18s} {v:.3f}" if isinstance(v, float) else f"{k:18s} {v}")
         if kv is not None:
             lines.insert(0, f"{'policy':18s} {kv.policy.name}")
             lines.insert(1, f"{'budget mode':18s} {kv.config.budget}")
@@ -368,6 +383,12 @@ def _repl(session: ChatSession) -> None:
 
 def kv_size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"  # (a test model's caches are KiB)
+
+
+def _by_layer(item: tuple[str, object]) -> tuple[int, str]:
+    """Sort key of a KV group's name: "layer 12" by its number, the others ("full", "sliding", "shared") first."""
+    kind, _, number = item[0].partition(" ")
+    return (int(number) if kind == "layer" and number.isdigit() else -1, item[0])
 
 
 def command(session: ChatSession, cmd: str, arg: str, stop: Callable[[], bool] = lambda: False) -> str:

@@ -18,7 +18,7 @@ import pytest
 
 from ahakv_local import Llama
 from ahakv_local.budget import Budget
-from ahakv_local.chat import ChatSession, command, keep_transcript
+from ahakv_local.chat import ChatSession, command, keep_transcript, kv_size
 from ahakv_local.errors import AhakvError
 from ahakv_local.fixture import FixtureSpec
 from ahakv_local.models import fixture_path
@@ -965,3 +965,31 @@ def test_a_budget_lowered_then_raised_again_in_the_adaptive_layout(tmp_path):
             s.set_budget("400")
     finally:
         s.llm.close()
+
+
+def test_stats_lists_every_kv_cache_by_layer_in_readable_units():
+    """/stats in a per-layer layout: one line a cache, in layer order (layer 10 after layer 9, not after layer 1;
+    kv_stats lists the full-attention caches first), each the bytes kv_stats reports for that layer, and per kind
+    the number of caches the layout has."""
+    path = fixture_path(FixtureSpec(arch="gemma3", n_layer=12))  # sliding-window and full-attention layers
+    llm = Llama(str(path), kv_budget=64, kv_recent=8, n_batch=32, verbose=False)
+    try:
+        s = ChatSession(llm, None, max_tokens=4, temperature=0.0)
+        talk(s, "hello there, how are you")
+        stats = llm.kv_stats()
+        assert stats.layer_budgets == "adaptive"
+        report = s.stats_report().splitlines()
+        first = report.index(next(line for line in report if line.startswith("kv by group")))
+        rows = [line.split() for line in report[first + 1 : first + 13]]
+        assert [int(r[1]) for r in rows] == list(range(12))
+        for layer, row in enumerate(rows):
+            allocated, used = stats.kv_group_bytes[f"layer {layer}"]
+            assert " ".join(row[2:]) == f"{kv_size(used)} of {kv_size(allocated)}"
+        kinds = next(line for line in report if line.startswith("kv by kind"))
+        n_sliding = sum(llm.kv_engine.layer_sliding)
+        assert 0 < n_sliding < 12
+        assert f"full {kv_size(stats.kv_kind_bytes['full'][1])} of" in kinds and f"({12 - n_sliding} caches)" in kinds
+        assert f"sliding {kv_size(stats.kv_kind_bytes['sliding'][1])} of" in kinds and f"({n_sliding} caches)" in kinds
+        assert sum(a for a, _ in stats.kv_group_bytes.values()) == stats.kv_bytes
+    finally:
+        llm.close()
