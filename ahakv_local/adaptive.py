@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from . import budget as _budget
 from .budget import Budget
 from .policies import Observation
 
@@ -48,7 +49,8 @@ class LayerShares:
         self.sliding = np.asarray(sliding, dtype=bool)
         self.every = every or ADAPT_EVERY
         self.gamma = ADAPT_GAMMA if gamma is None else gamma
-        self.weights = np.ones(self.sliding.size)
+        self.prior = np.asarray(_budget.adaptive_prior(sliding), dtype=np.float64)  # the shares before any decision
+        self.weights = self.prior.copy()
         self.fill = np.full(self.sliding.size, np.nan)  # running fill by layer (nan: not observed yet)
         self.next_at = self.every
         self.decisions = 0
@@ -92,6 +94,6 @@ class LayerShares:
     def restart(self, n_seen: int) -> None:
         """A new sequence: forget the fill and the shares measured on the old one (its caches are resized to even
         shares before the next decode: ``KVController.truncate``)."""
-        self.weights[:] = 1.0
+        self.weights[:] = self.prior
         self.fill[:] = np.nan
         self.next_at = n_seen + self.every

@@ -566,7 +566,7 @@ class KVController:
         self.config.evict_every = self._period_for(budget)
         if new_sequence and self.shares is not None:
             weights = self.shares.weights.copy()
-            self.shares.weights[:] = 1.0
+            self.shares.weights[:] = self.shares.prior
             self._resize_to = tuple(self.allocation(self.config.budget).cache_cells)
         try:
             self._check_budget(budget, policy or self.policy)
@@ -911,7 +911,8 @@ class KVController:
         return [sum(n for n, k in zip(sizes, kinds, strict=True) if k == kind) for kind in (False, True)]
 
     def _even_split(self) -> Allocation:
-        return self.allocation(self.config.budget, [1.0] * len(self.groups))
+        """The split before any adaptive decision (``budget.adaptive_prior``)."""
+        return self.allocation(self.config.budget, list(self.shares.prior))
 
     def fill_budget(self) -> None:
         """After a state saved in smaller caches (``take_sizes``: a chat saved at a smaller budget), grow them back to
