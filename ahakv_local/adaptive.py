@@ -28,6 +28,9 @@ from .policies import Observation
 ADAPT_EVERY = 256  # positions between two decisions (each costs a context of the new sizes: ~20 ms on Gemma 3 270M)
 ADAPT_GAMMA = 0.5  # how far one decision moves the shares toward equal fill (LGPL-2.1: 0.5, 1, 2 tried)
 FILL_SMOOTHING = 0.3  # weight of the newest observation in a layer's running fill
+# what a layer's share follows: "fill", how widely its attention spreads (``fill``), or "loss", the share of its
+# attention its evictions removed (a tuning knob: benchmarks/layer_budgets.py --adapt-signal)
+ADAPT_SIGNAL = "fill"
 
 
 def fill(obs: Observation) -> float | None:
@@ -57,10 +60,18 @@ class LayerShares:
 
     def observe(self, layer: int, obs: Observation) -> None:
         """Fold one observation of ``layer`` into its running fill."""
-        f = fill(obs)
+        f = fill(obs) if ADAPT_SIGNAL == "fill" else None
         if f is not None:
-            old = self.fill[layer]
-            self.fill[layer] = f if np.isnan(old) else (1 - FILL_SMOOTHING) * old + FILL_SMOOTHING * f
+            self._fold(layer, f)
+
+    def observe_loss(self, layer: int, lost: float) -> None:
+        """Fold the share of ``layer``'s attention its last eviction removed (``ADAPT_SIGNAL = "loss"``)."""
+        if ADAPT_SIGNAL == "loss":
+            self._fold(layer, max(lost, 1e-6))
+
+    def _fold(self, layer: int, f: float) -> None:
+        old = self.fill[layer]
+        self.fill[layer] = f if np.isnan(old) else (1 - FILL_SMOOTHING) * old + FILL_SMOOTHING * f
 
     def due(self, n_seen: int) -> bool:
         """Whether to decide now: ``every`` positions after the last decision, once every layer was measured

@@ -1014,6 +1014,8 @@ class KVController:
             g.decided = max(target, n - candidates.size + self.config.evict_every - 1)
         k = max(k, int(np.count_nonzero(gone)))
         if k == 0:
+            if self.shares is not None and measure:
+                self.shares.observe_loss(int(g.layers[0]), 0.0)
             return 0
         victims = np.sort(order[:k])
         if obs.attn is not None:
@@ -1022,6 +1024,8 @@ class KVController:
             total = np.maximum(obs.attn.sum(axis=2), 1e-12)
             mass = (obs.attn[:, :, kept].sum(axis=2) / total).mean(axis=1)
             self._record_mass(g, mass)
+            if self.shares is not None and measure:
+                self.shares.observe_loss(int(g.layers[0]), 1.0 - float(mass[0]))
         if g.cache is None:
             self.engine.evict(g.live[victims])
         else:

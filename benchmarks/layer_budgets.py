@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--adapt-gamma", type=float, default=None, help="adaptive: adaptive.ADAPT_GAMMA (tuning only)")
     ap.add_argument("--adapt-every", type=int, default=None, help="adaptive: adaptive.ADAPT_EVERY (tuning only)")
     ap.add_argument("--adapt-prior", default=None, help="adaptive: budget.ADAPT_PRIOR: uniform, pyramid (tuning only)")
+    ap.add_argument("--adapt-signal", default=None, help="adaptive: adaptive.ADAPT_SIGNAL: fill, loss (tuning only)")
     ap.add_argument("--out", default="benchmarks/layer_budgets.json")
     reference_help = "keep the full cache's rows here, or read them if this text's were kept (evaluation.Reference)"
     ap.add_argument("--reference-dir", default=None, help=reference_help)
@@ -67,6 +68,8 @@ def main() -> None:
         adaptive.ADAPT_GAMMA = args.adapt_gamma
     if args.adapt_every is not None:
         adaptive.ADAPT_EVERY = args.adapt_every
+    if args.adapt_signal is not None:
+        adaptive.ADAPT_SIGNAL = args.adapt_signal
     if args.adapt_prior is not None:
         budgets.ADAPT_PRIOR = args.adapt_prior
     model = default_model_path()
