@@ -21,16 +21,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from . import budget as _budget
 from .budget import Budget
 from .policies import Observation
 
 ADAPT_EVERY = 256  # positions between two decisions (each costs a context of the new sizes: ~20 ms on Gemma 3 270M)
 ADAPT_GAMMA = 0.5  # how far one decision moves the shares toward equal fill (LGPL-2.1: 0.5, 1, 2 tried)
 FILL_SMOOTHING = 0.3  # weight of the newest observation in a layer's running fill
-# what a layer's share follows: "fill", how widely its attention spreads (``fill``), or "loss", the share of its
-# attention its evictions removed (a tuning knob: benchmarks/layer_budgets.py --adapt-signal)
-ADAPT_SIGNAL = "fill"
 
 
 def fill(obs: Observation) -> float | None:
@@ -52,26 +48,17 @@ class LayerShares:
         self.sliding = np.asarray(sliding, dtype=bool)
         self.every = every or ADAPT_EVERY
         self.gamma = ADAPT_GAMMA if gamma is None else gamma
-        self.prior = np.asarray(_budget.adaptive_prior(sliding), dtype=np.float64)  # the shares before any decision
-        self.weights = self.prior.copy()
+        self.weights = np.ones(self.sliding.size)
         self.fill = np.full(self.sliding.size, np.nan)  # running fill by layer (nan: not observed yet)
         self.next_at = self.every
         self.decisions = 0
 
     def observe(self, layer: int, obs: Observation) -> None:
         """Fold one observation of ``layer`` into its running fill."""
-        f = fill(obs) if ADAPT_SIGNAL == "fill" else None
+        f = fill(obs)
         if f is not None:
-            self._fold(layer, f)
-
-    def observe_loss(self, layer: int, lost: float) -> None:
-        """Fold the share of ``layer``'s attention its last eviction removed (``ADAPT_SIGNAL = "loss"``)."""
-        if ADAPT_SIGNAL == "loss":
-            self._fold(layer, max(lost, 1e-6))
-
-    def _fold(self, layer: int, f: float) -> None:
-        old = self.fill[layer]
-        self.fill[layer] = f if np.isnan(old) else (1 - FILL_SMOOTHING) * old + FILL_SMOOTHING * f
+            old = self.fill[layer]
+            self.fill[layer] = f if np.isnan(old) else (1 - FILL_SMOOTHING) * old + FILL_SMOOTHING * f
 
     def due(self, n_seen: int) -> bool:
         """Whether to decide now: ``every`` positions after the last decision, once every layer was measured
@@ -105,6 +92,6 @@ class LayerShares:
     def restart(self, n_seen: int) -> None:
         """A new sequence: forget the fill and the shares measured on the old one (its caches are resized to even
         shares before the next decode: ``KVController.truncate``)."""
-        self.weights[:] = self.prior
+        self.weights[:] = 1.0
         self.fill[:] = np.nan
         self.next_at = n_seen + self.every

@@ -200,8 +200,6 @@ def check_layer_budgets(name: str) -> str:
 PYRAMID_SLOPE = 0.5
 # adaptive: a layer's holding stays within (1 -/+ ADAPTIVE_RANGE) times its kind's mean, the pyramid's range
 ADAPTIVE_RANGE = 0.5
-# adaptive: the shares the layers start from, before their fill is measured: "uniform" or "pyramid"
-ADAPT_PRIOR = "uniform"
 
 
 @dataclass(frozen=True)
@@ -407,17 +405,6 @@ def pyramid_weights(n: int, slope: float = PYRAMID_SLOPE) -> list[float]:
     return [1.0] if n == 1 else [1 + slope * (1 - 2 * i / (n - 1)) for i in range(n)]
 
 
-def adaptive_prior(sliding: Sequence[bool]) -> list[float]:
-    """Each layer's share before ``adaptive`` has measured it (mean 1 over each kind): even, or the pyramid's."""
-    weights = [1.0] * len(sliding)
-    if ADAPT_PRIOR == "pyramid":
-        for kind in (False, True):
-            layers = [il for il, s in enumerate(sliding) if s == kind]
-            for il, w in zip(layers, pyramid_weights(len(layers)), strict=True):
-                weights[il] = w
-    return weights
-
-
 def spread(weights: list[float], low: float, high: float) -> list[float]:
     """``weights`` (mean 1) held within [low, high] with their sum kept where it can be: what clamped weights gain
     or lose is taken from or given to the weights that can still move that way (below ``high`` for a deficit,
@@ -469,8 +456,6 @@ def _per_layer(
         budget, layout, "natural", chunk, longest, room, every, sliding_share, keep, sliding_cells=sliding_cells
     )
     window = layout.window + every - 1
-    if layer_budgets == "adaptive" and layer_weights is None and ADAPT_PRIOR != "uniform":
-        layer_weights = adaptive_prior(sliding)
     layers_of = {kind: [il for il, s in enumerate(sliding) if s == kind] for kind in (False, True)}
     held: dict[int, Budget] = {}
     for kind, layers in layers_of.items():

@@ -566,7 +566,7 @@ class KVController:
         self.config.evict_every = self._period_for(budget)
         if new_sequence and self.shares is not None:
             weights = self.shares.weights.copy()
-            self.shares.weights[:] = self.shares.prior
+            self.shares.weights[:] = 1.0
             self._resize_to = tuple(self.allocation(self.config.budget).cache_cells)
         try:
             self._check_budget(budget, policy or self.policy)
@@ -911,8 +911,7 @@ class KVController:
         return [sum(n for n, k in zip(sizes, kinds, strict=True) if k == kind) for kind in (False, True)]
 
     def _even_split(self) -> Allocation:
-        """The split before any adaptive decision (``budget.adaptive_prior``)."""
-        return self.allocation(self.config.budget, list(self.shares.prior))
+        return self.allocation(self.config.budget, [1.0] * len(self.groups))
 
     def fill_budget(self) -> None:
         """After a state saved in smaller caches (``take_sizes``: a chat saved at a smaller budget), grow them back to
@@ -1014,8 +1013,6 @@ class KVController:
             g.decided = max(target, n - candidates.size + self.config.evict_every - 1)
         k = max(k, int(np.count_nonzero(gone)))
         if k == 0:
-            if self.shares is not None and measure:
-                self.shares.observe_loss(int(g.layers[0]), 0.0)
             return 0
         victims = np.sort(order[:k])
         if obs.attn is not None:
@@ -1024,8 +1021,6 @@ class KVController:
             total = np.maximum(obs.attn.sum(axis=2), 1e-12)
             mass = (obs.attn[:, :, kept].sum(axis=2) / total).mean(axis=1)
             self._record_mass(g, mass)
-            if self.shares is not None and measure:
-                self.shares.observe_loss(int(g.layers[0]), 1.0 - float(mass[0]))
         if g.cache is None:
             self.engine.evict(g.live[victims])
         else:

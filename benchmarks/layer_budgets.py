@@ -20,7 +20,6 @@ from pathlib import Path
 from common import command_line, file_tokens, text_name, write_report
 
 from ahakv_local import adaptive
-from ahakv_local import budget as budgets
 from ahakv_local.budget import Budget
 from ahakv_local.evaluation import PplResult, evaluate
 from ahakv_local.info import read_info
@@ -58,8 +57,6 @@ def main() -> None:
     ap.add_argument("--floors", action=argparse.BooleanOptionalAction, default=True, help=floors_help)
     ap.add_argument("--adapt-gamma", type=float, default=None, help="adaptive: adaptive.ADAPT_GAMMA (tuning only)")
     ap.add_argument("--adapt-every", type=int, default=None, help="adaptive: adaptive.ADAPT_EVERY (tuning only)")
-    ap.add_argument("--adapt-prior", default=None, help="adaptive: budget.ADAPT_PRIOR: uniform, pyramid (tuning only)")
-    ap.add_argument("--adapt-signal", default=None, help="adaptive: adaptive.ADAPT_SIGNAL: fill, loss (tuning only)")
     ap.add_argument("--out", default="benchmarks/layer_budgets.json")
     reference_help = "keep the full cache's rows here, or read them if this text's were kept (evaluation.Reference)"
     ap.add_argument("--reference-dir", default=None, help=reference_help)
@@ -68,10 +65,6 @@ def main() -> None:
         adaptive.ADAPT_GAMMA = args.adapt_gamma
     if args.adapt_every is not None:
         adaptive.ADAPT_EVERY = args.adapt_every
-    if args.adapt_signal is not None:
-        adaptive.ADAPT_SIGNAL = args.adapt_signal
-    if args.adapt_prior is not None:
-        budgets.ADAPT_PRIOR = args.adapt_prior
     model = default_model_path()
     tokens = file_tokens(model, args.text, args.tokens)
     trimmed = read_info(model).trimmed_bytes(len(tokens), args.n_ubatch)

@@ -21,7 +21,7 @@ import pytest
 from test_layer_budgets import CHUNK, GEMMA3_270M_BY_LAYER, GEMMA3_LAYERS, run_checked
 from test_per_layer_caches import PER_LAYER
 
-from ahakv_local import adaptive, budget
+from ahakv_local import adaptive
 from ahakv_local.adaptive import LayerShares, fill
 from ahakv_local.budget import ADAPTIVE_RANGE, Budget, allocate, whole_cells
 from ahakv_local.errors import AhakvError
@@ -224,27 +224,6 @@ def test_adaptive_layouts_on_gemma3_270m(text):
         assert max(held) <= min(cap, (1 + ADAPTIVE_RANGE) * mean)
         if heavy and light and min(heavy) < cap:
             assert min(heavy) > max(light), "a layer weighted up must hold more"
-
-
-@pytest.mark.parametrize("text", ["16MiB", "3MiB", "1024"])
-def test_a_pyramid_prior_starts_adaptive_as_the_pyramid(text, monkeypatch):
-    """``budget.ADAPT_PRIOR = "pyramid"`` (a tuning knob: benchmarks/layer_budgets.py --adapt-prior): before any
-    decision adaptive holds what the pyramid layout holds (the same holdings and caches, laid out by another path:
-    the pyramid's own weights), and its shares start, and start again on a new sequence, from the pyramid's."""
-    chunk, every, keep = 64, 32, 36
-    b = Budget.parse(text)
-    pyramid = allocate(b, GEMMA3_270M_BY_LAYER, "pyramid", chunk, 4096, 0, every, None, keep)
-    uniform = allocate(b, GEMMA3_270M_BY_LAYER, "uniform", chunk, 4096, 0, every, None, keep)
-    monkeypatch.setattr(budget, "ADAPT_PRIOR", "pyramid")
-    prior = allocate(b, GEMMA3_270M_BY_LAYER, "adaptive", chunk, 4096, 0, every, None, keep)
-    assert prior.groups == pyramid.groups and prior.cache_cells == pyramid.cache_cells
-    assert prior.groups != uniform.groups
-    shares = LayerShares(GEMMA3_LAYERS)
-    full = [il for il, s in enumerate(GEMMA3_LAYERS) if not s]
-    np.testing.assert_allclose(shares.weights[full], [1.5, 1.0, 0.5])  # the first full-attention layer holds most
-    shares.weights[:] = 2.0
-    shares.restart(0)
-    np.testing.assert_array_equal(shares.weights, shares.prior)
 
 
 @pytest.mark.parametrize("seed", range(4))
