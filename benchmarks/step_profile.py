@@ -26,6 +26,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from common import file_tokens  # benchmarks/ is the script's directory: sys.path[0]
+
+from ahakv_local import controller
+from ahakv_local.models import default_model_path
+from ahakv_local.paths import cache_dir
+from ahakv_local.session import SessionSpec, open_session
+
 PARTS = {  # part of the program -> substrings of the library file names that belong to it
     "ggml kernels": ("libggml",),
     "OpenMP (waiting)": ("libgomp",),
@@ -38,13 +45,6 @@ KINDS = ("steady", "eviction", "resize")
 
 def decode(layout: str, steps: int, budget: int, policy: str, log: Path) -> None:
     """The profiled child: prefill twice the budget, then ``steps`` steps, logging (start, end, kind) of each."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import file_tokens
-
-    from ahakv_local import controller
-    from ahakv_local.models import default_model_path
-    from ahakv_local.session import SessionSpec, open_session
-
     calls = Counter()
     for name in ("evict", "_resize"):
         method = getattr(controller.KVController, name)
@@ -79,9 +79,7 @@ def build_id(path: Path) -> str | None:
 def symbol_dir(tmp: Path) -> Path | None:
     """A ``perf --symfs`` folder holding the unstripped libllama of the installed engine's build (the wheel's copy is
     stripped of its local symbols), found in the build cache by its build id; None where it is not there."""
-    import llama_cpp
-
-    from ahakv_local.paths import cache_dir
+    import llama_cpp  # the engine the children load
 
     lib = Path(llama_cpp.__file__).parent / "lib" / "libllama.so"
     want = build_id(lib)
@@ -145,17 +143,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         symfs = symbol_dir(tmp / "symfs")
-        totals = {lb: (Counter(), Counter(), Counter()) for lb in layouts}
+        totals = {lb: ({k: Counter() for k in KINDS}, Counter(), Counter()) for lb in layouts}
         for r in range(args.rounds):  # a second process ran ~10% slower in ggml's kernels than the first: alternate
             for lb in layouts if r % 2 == 0 else layouts[::-1]:
                 samples, n, llama = profile(lb, args, tmp, symfs)
-                totals[lb][0].update({(k, p): c for k in KINDS for p, c in samples[k].items()})
+                for k in KINDS:
+                    totals[lb][0][k].update(samples[k])
                 totals[lb][1].update(n)
                 totals[lb][2].update(llama)
     ms = 1000 / args.freq  # one sample: this many ms of CPU
     results = {}
     for lb, (samples, n, llama) in totals.items():
-        per_step = {k: {p: c * ms / n[k] for (kk, p), c in samples.items() if kk == k} for k in KINDS if n[k]}
+        per_step = {k: {p: c * ms / n[k] for p, c in samples[k].items()} for k in KINDS if n[k]}
         results[lb] = per_step, n, Counter({s: c * ms / n["steady"] for s, c in llama.items()})
     print(f"{args.policy}, {args.budget} cells, {args.steps} steps after {2 * args.budget} prompt tokens, "
           f"{args.rounds} rounds, AHAKV_THREADS={os.environ.get('AHAKV_THREADS', 'all')}; "
