@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Real
 from typing import Literal, get_args
 
 from .errors import AhakvError
@@ -33,6 +34,15 @@ class Budget:
     error_tol: float = 0.05  # auto: evict while the predicted relative output change stays below this
     cap: int | None = None  # ratio, auto: never more than this many cells (a sliding group's; KVController.fitted)
 
+    def __post_init__(self) -> None:
+        # the drop-in's kv_min_ratio/kv_max_ratio/kv_error_tol come here unchecked: "x" ran, and reached numpy
+        for name in ("min_ratio", "max_ratio", "error_tol"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, Real) or not 0 < v <= 1:
+                raise AhakvError(f"{name} must be a number in (0, 1], not {v!r}")
+        if self.min_ratio > self.max_ratio:
+            raise AhakvError(f"min_ratio {self.min_ratio} is more than max_ratio {self.max_ratio}")
+
     @classmethod
     def parse(cls, text: str | int | float, **kw) -> Budget:
         """'128' -> 128 cells, '0.25' or '25%' -> a quarter of the tokens seen, 'auto' -> error-driven,
@@ -45,8 +55,11 @@ class Budget:
         if unit is not None:
             try:
                 n = float(s[: -len(unit)].strip()) * BYTE_UNITS[unit]
-            except ValueError:
-                n = math.nan
+            except ValueError:  # '1TiB' ends in B too: a unit this parser does not know, or no number
+                units = ", ".join(BYTE_UNITS)
+                raise AhakvError(
+                    f"a budget in bytes is a number and one of {units}, like 16MiB, not {text!r}"
+                ) from None
             if not (math.isfinite(n) and n >= 1 and n == int(n)):
                 raise AhakvError(
                     f"a budget in bytes must be a positive whole number of bytes, like 16MiB, not {text!r}"
@@ -364,9 +377,8 @@ def check_held_past_trained(budget: Budget, allocation: Allocation, n_ctx_train:
     held = [b.value for i, b in enumerate(allocation.groups) if not allocation.group_slides(i) and b.mode == "cells"]
     if held and min(held) > n_ctx_train:
         raise AhakvError(
-            f"budget {budget} holds {int(min(held))} cells in every full-attention layer, past the model's trained "
-            f"context of {n_ctx_train} positions, so nothing would ever be evicted: use a smaller budget, or none for "
-            "the full cache"
+            f"budget {budget} holds more cells than the model's trained context of {n_ctx_train} positions in every "
+            "full-attention layer, so nothing would ever be evicted: use a smaller budget, or none for the full cache"
         )
 
 

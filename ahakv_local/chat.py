@@ -28,7 +28,7 @@ from .llama import Llama, Stopped
 from .paths import cache_dir
 from .policies import POLICIES, make_policy
 from .saved_chat import load_chat, save_chat
-from .textfile import read_text
+from .textfile import read_text, shown_name, typed_text
 
 HELP = """commands:
   /help             this text
@@ -214,12 +214,12 @@ class ChatSession:
         if path.exists() and not path.is_dir() and not path.is_file():  # (a folder: read_text's own line)
             # a named pipe without a writer blocked the chat in open(), where a first Ctrl-C cannot stop it
             raise AhakvError(f"cannot read {path}: not a regular file (a pipe or a device)")
-        text = read_text(path)
+        text, name = read_text(path), shown_name(path)
         if not text.strip():
             raise AhakvError(f"{path} is empty")
         added = [
-            {"role": "user", "content": f"Here is a document, {path.name}:\n\n{text}"},
-            {"role": "assistant", "content": f"I have read {path.name}. What would you like to know?"},
+            {"role": "user", "content": f"Here is a document, {name}:\n\n{text}"},
+            {"role": "assistant", "content": f"I have read {name}. What would you like to know?"},
         ]
         llm = self.llm
         tokens = self._prompt_tokens(self.messages + added, generation_prompt=False)  # the next message extends it
@@ -237,14 +237,14 @@ class ChatSession:
         except (AhakvError, ValueError, Stopped) as exc:
             llm.reset()  # the history is read again with the next message; the conversation is unchanged
             if isinstance(exc, Stopped):
-                raise AhakvError(f"/read stopped: {path.name} was not added") from None
+                raise AhakvError(f"/read stopped: {name} was not added") from None
             raise AhakvError(str(exc)) from None  # a document past the trained context is the user's, not a bug
         finally:
             llm.should_stop = lambda: False
             llm.set_kv_query(False)
         self.messages += added
         s = llm.kv_stats()
-        return f"read {path.name}: {len(tokens) - n} tokens, {s.cells_used} cells kept of {s.tokens_seen} seen"
+        return f"read {name}: {len(tokens) - n} tokens, {s.cells_used} cells kept of {s.tokens_seen} seen"
 
     def transcript(self) -> str:
         return json.dumps(self.messages, indent=1, ensure_ascii=False)
@@ -364,6 +364,11 @@ def _repl(session: ChatSession) -> None:
             except Exception as exc:  # a bug must not end the session and lose the conversation
                 msg = f"error: {cmd} failed: {exc.__class__.__name__}: {exc}"
             click.echo(msg, err=True)
+            continue
+        try:  # a terminal's bytes that are not UTF-8 (Python hands them on as surrogates; a command's file name may
+            text = typed_text(text, "this message")  # have them): one line, nothing sent
+        except AhakvError as exc:
+            click.echo(f"error: {exc}", err=True)
             continue
         t0 = time.perf_counter()
         # the first Ctrl-C stops the answer, a second one exits; to the stats line, so that one landing as the answer

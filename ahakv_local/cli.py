@@ -5,6 +5,7 @@ User mistakes end in one line on stderr and a non-zero exit, never a traceback.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import click
@@ -26,7 +27,7 @@ from .errors import AhakvError
 from .extras import require
 from .info import KV_CACHE_TYPES
 from .native import MAX_THREADS
-from .textfile import decode, read_stream, read_text
+from .textfile import read_stream, read_text, typed_text
 
 ROOMS = {"query": "a question's room", "reconstruct": "a reconstruction pass's room"}  # what info says a reading holds
 BUDGETED_BATCH = 64  # prompt tokens per decode call under a budget: the cache stays within one chunk of it
@@ -48,6 +49,16 @@ class Group(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+
+
+class FiniteRange(click.FloatRange):
+    """A float range that refuses nan and infinities (click's range checks are all false for nan: --temp nan ran)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
 @click.group(cls=Group)
@@ -79,7 +90,7 @@ def build(cuda: bool, metal: bool, vulkan: bool, cmake_args: str, rpc: bool, for
     type=click.IntRange(1, MAX_THREADS),  # ggml's most: -t 100000 crashed the worker (and aborted its client)
     default=None,
     envvar="AHAKV_THREADS",
-    help="CPU threads (default: cores / 2).",
+    help="CPU threads (default: AHAKV_THREADS, else cores / 2).",
 )
 def rpc_server(host: str, port: int, threads: int | None) -> None:
     """Run a llama.cpp RPC worker from this engine's build (`build --rpc`) for `--rpc HOST:PORT` clients.
@@ -204,7 +215,7 @@ def engine_options(f):
         recent_option,
         click.option(
             "--error-tol",
-            type=click.FloatRange(min=0, min_open=True, max=1),
+            type=FiniteRange(min=0, min_open=True, max=1),
             default=0.05,
             show_default=True,
             envvar="AHAKV_ERROR_TOL",
@@ -248,7 +259,7 @@ def check_model(path, batch_size: int | None) -> None:
 
 def argument_text(text: str, option: str) -> str:
     """An option's text as UTF-8, or one line of error (a shell passes any bytes; Python escapes what is not UTF-8)."""
-    return decode(text.encode("utf-8", "surrogateescape"), f"the text of {option}")
+    return typed_text(text, f"the text of {option}")
 
 
 def source(option: str) -> ParameterSource | None:
@@ -348,10 +359,10 @@ def sampling_options(temp: float):
     def add(f):
         for option in reversed(
             [
-                click.option("--temp", type=click.FloatRange(min=0), default=temp, show_default=True,
+                click.option("--temp", type=FiniteRange(min=0), default=temp, show_default=True,
                              help="Sampling temperature (0 = greedy)."),
                 click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0: off."),
-                click.option("--top-p", type=click.FloatRange(0, 1), default=0.95, show_default=True),
+                click.option("--top-p", type=FiniteRange(0, 1), default=0.95, show_default=True),
                 click.option("--seed", default=0, show_default=True),
             ]
         ):  # fmt: skip
@@ -373,9 +384,10 @@ def chat(model, system, n_predict, temp, top_k, top_p, seed, **engine) -> None:
 
     if engine["budget"] is None and engine["policy"] != "full":
         engine["budget"] = "1024"  # the chat is the product: bounded by default (--policy full: every token, to -c)
+    system = argument_text(system, "-sys") if system else None  # before the model loads, as -p's check
     llm = load_llama(model, kv_reuse_compressed=True, **engine)
     install_sigint_default()
-    session = ChatSession(llm, system or None, n_predict, temp, top_k, top_p, seed)
+    session = ChatSession(llm, system, n_predict, temp, top_k, top_p, seed)
     run_chat(session)
 
 
@@ -467,7 +479,7 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
     type=click.IntRange(min=0),
     default=None,
     envvar="AHAKV_CTX_SIZE",
-    help="Context length to compare at (default or 0: trained, as generate takes it).",
+    help="Context length to compare at and to lay a budget out in (default or 0: trained; generate's default is 4096).",
 )
 @click.option(
     "-ub",

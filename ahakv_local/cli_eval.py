@@ -103,12 +103,19 @@ def _bar(desc: str, total: int):
     return tqdm(total=total, desc=desc, unit="tok", leave=False, dynamic_ncols=True)
 
 
-def _out(out_dir: str) -> Path:
+def _out(out_dir: str, figure: str | None = None, inputs: tuple[str, ...] = ()) -> Path:
     """The outputs' folder, tried now: one that cannot be written fails in one line before the run, not in a
-    traceback after it (the results lost). What the try makes goes again: a run refused later leaves nothing."""
+    traceback after it (the results lost), and so does one whose report would replace a file not of a report
+    (``report.check_outputs``: its tables and ``figure``; ``inputs``: the run's text files). What the try makes goes
+    again: a run refused later leaves nothing."""
     import tempfile
 
+    from .report import check_outputs
+
+    if not out_dir.strip():  # Path("") is the working folder: every output landed there, unasked
+        raise AhakvError("--out is empty: name the folder for the outputs")
     out = Path(out_dir)
+    check_outputs(out, figure, inputs)
     made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -288,11 +295,13 @@ def eval_ppl(
     from .report import write_ppl_report
 
     rpc_servers = parse_rpc(rpc)
-    out = _out(out_dir)
+    out = _out(out_dir, "ppl_vs_budget.png", (text_file,))
     from .budget import check_layer_kinds, parse_schedule
     from .session import SessionSpec
 
-    names = _policies(policies)  # the user's own mistakes before the model is read (budgets: once the text's length is)
+    names = _policies(policies)  # the user's own mistakes before the model is read
+    for given in (budgets, ablations_at or "1"):  # their grammar now; their cells once the text's length is known
+        _cells(given, 1, 1)
     layouts = _layer_budgets(layer_budgets)
     evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
     path = _model(model)
@@ -300,14 +309,16 @@ def eval_ppl(
     if min(len(ids), tokens) <= prefix + 1:
         what = f"--tokens {tokens}" if tokens < len(ids) else f"{text_file} has only {len(ids)} tokens"
         raise AhakvError(f"{what}; need more than --prefix {prefix} + 1")
-    if tokens > len(ids):  # the run goes on over the whole text; the report states its length
+    info = read_info(path)
+    read = min(tokens, len(ids))
+    if info.n_ctx_train and read > info.n_ctx_train:  # (it failed there, after the full cache's whole run)
+        raise AhakvError(
+            f"{read} tokens of text are past the model's trained context of {info.n_ctx_train}: give --tokens "
+            f"{info.n_ctx_train} or fewer"
+        )
+    if tokens > len(ids):  # the run goes on over the whole text, the report states its length (after every refusal)
         click.echo(f"--tokens {tokens}: {text_file} has {len(ids)} tokens; every one is read", err=True)
     ids = ids[:tokens]
-    info = read_info(path)
-    if info.n_ctx_train and len(ids) > info.n_ctx_train:  # (it failed there, after the full cache's whole run)
-        raise AhakvError(
-            f"{len(ids)} tokens of text are past the model's trained context of {info.n_ctx_train}: give --tokens"
-        )
     for layout in layouts:  # before the full cache's run, not after it
         check_layer_kinds(layout, info.n_layer_swa, info.n_layer)
     schedule = dict(
@@ -376,7 +387,7 @@ def eval_needle(
 
     rpc_servers = parse_rpc(rpc)
     names = _policies(policies)  # before the model is read
-    out = _out(out_dir)
+    out = _out(out_dir, None, (filler_file,))
     path = _model(model)
     filler = read_text(filler_file)
     lens, deps = _lengths_and_depths(lengths, depths)
@@ -392,6 +403,10 @@ def eval_needle(
 
     trained = read_info(path).n_ctx_train
     _below_trained(cells, trained)
+    if max(cells) >= max(lens):  # (as eval ppl refuses it: a row of the full cache under a budget's name)
+        raise AhakvError(
+            f"budget {max(cells)} cells holds every prompt ({max(lens)} tokens at most): nothing is evicted"
+        )
     _lengths_fit(lens, NEEDLE_ANSWER_TOKENS, trained)
     from .session import SessionSpec
 
@@ -501,7 +516,7 @@ def eval_longdoc(
     from .budget import check_layer_kinds
     from .info import read_info
 
-    out = _out(out_dir)
+    out = _out(out_dir, "accuracy.png", tuple(filler_files))
     path = _model(model)
     info = read_info(path)
     trained = info.n_ctx_train
@@ -511,7 +526,6 @@ def eval_longdoc(
     _lengths_fit(lens, answer, trained)
     files = [str(f) for f in filler_files] or [str(p) for p in default_filler_files()]
     texts = [read_text(f) for f in files]
-    _say_unguided(names, readings)  # once every input is known good: an error stays one line
     rule = specs_rule(names, factors, readings, layouts, n_sink=sinks, n_recent=recent)
     n_items = len(task_list) * len(deps) * trials
     with _bar("eval longdoc", sum(len(rule(n)) for n in lens) * n_items) as bar:
@@ -532,6 +546,7 @@ def eval_longdoc(
             )
         except ValueError as exc:
             raise AhakvError(str(exc)) from None
+    _say_unguided(names, readings)  # after the run: an input found wrong in it (a short filler) stays one line
     settings = dict(tasks=task_list, lengths=lens, depths=deps, compressions=factors, readings=readings,
                     trials=trials, seed=seed, sinks=sinks, recent=recent, layer_budgets=layouts,
                     filler_files=files, threads=threads)  # fmt: skip
@@ -643,7 +658,7 @@ def bench_speed(
     from .report import write_speed_report
     from .session import SessionSpec
 
-    out = _out(out_dir)
+    out = _out(out_dir, "long_run.png", tuple(text_files))
     path = _model(model)
     names = _policies(policies)
     layouts = _layer_budgets(layer_budgets)
@@ -662,6 +677,8 @@ def bench_speed(
             f"budget {budget} reads {2 * budget} tokens before it decodes {decode_tokens}: past the model's trained "
             f"context of {trained}; give a smaller --budget or --decode-tokens"
         )
+    if trained and memory_context is not None and memory_context > trained:  # (it stated 24,414 MiB at 100M tokens)
+        raise AhakvError(f"--memory-context {memory_context} is past the model's trained context of {trained}")
     specs = [
         SessionSpec.bounded(name, budget, evict_every=evict_every, observe_steps=observe, layer_budgets=layout)
         for name in names

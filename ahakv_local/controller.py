@@ -39,6 +39,8 @@ from .budget import (
     LayerBudgets,
     allocate,
     cells_for,
+    check_held_past_trained,
+    check_trained_context,
     default_evict_every,
     holding_of,
 )
@@ -223,6 +225,9 @@ class KVController:
         self.opened_bytes = engine.kv_bytes()  # what a new cell budget may be laid out in (``_lays_out``)
         config.budget = self.fitted(config.budget)
         self._check_budget(config.budget, policy)  # with the period the session chose for it
+        # the budget whose layout the caches have: a smaller cell budget is held inside them (adaptive: until the
+        # next re-split), so a chat saved then names this one, which opens caches of these sizes (saved_chat.py)
+        self.laid_out = config.budget
         self.groups: list[LayerGroup] = make_groups(engine, policy, self.allocation(config.budget))
         self.stats = ControllerStats(tokens_seen=engine.n_past)
         self._count()
@@ -576,6 +581,9 @@ class KVController:
                 self.shares.weights[:] = weights
 
     def _check_budget(self, budget: Budget, policy: Policy) -> None:
+        # past the trained context nothing is ever evicted (chat's /budget 64GiB was taken, the open refused it)
+        check_trained_context(budget, self.engine.n_ctx_train)
+        check_held_past_trained(budget, self.allocation(budget), self.engine.n_ctx_train)
         check_policy(policy, budget, self._full_cache_cells(), self.reach)
         self.check_floor(budget)
         if policy.evicts and (short := self._short_cache(budget)) is not None:
@@ -620,6 +628,7 @@ class KVController:
             if self._pending:
                 self._observe_block()  # the summed rows live in the old context's statistics
             self.resize_now()  # now: a failure is this call's, not the next decode's
+            self.laid_out = self.config.budget
         return self.stats.evicted - before
 
     def _lays_out(self, budget: Budget) -> bool:
@@ -947,6 +956,7 @@ class KVController:
         that now hold less evict before the next decode: ``_adapt``, or an empty sequence)."""
         for g, held in zip(self.groups, allocation.groups, strict=True):
             g.budget = held
+        self.laid_out = self.config.budget
         self.shares.applied({int(g.layers[0]): g.budget for g in self.groups})
         cells = tuple(allocation.cache_cells)  # a decision not yet applied is replaced, even by the sizes of now
         self._resize_to = cells if cells != self.engine.cache_sizes() else None
@@ -1018,9 +1028,9 @@ class KVController:
         if obs.attn is not None:
             kept = np.ones(n, dtype=bool)
             kept[victims] = False
-            total = np.maximum(obs.attn.sum(axis=2), 1e-12)
-            mass = (obs.attn[:, :, kept].sum(axis=2) / total).mean(axis=1)
-            self._record_mass(g, mass)
+            total = obs.attn.sum(axis=2)
+            mass = (obs.attn[:, :, kept].sum(axis=2) / np.maximum(total, 1e-12)).mean(axis=1)
+            self._record_mass(g, mass, seen=total.sum(axis=1) > 0)
         if g.cache is None:
             self.engine.evict(g.live[victims])
         else:
@@ -1031,14 +1041,15 @@ class KVController:
         self.stats.evictions += 1
         return k
 
-    def _record_mass(self, g: LayerGroup, mass: np.ndarray) -> None:
-        """The retained mass of the group's layers at its last eviction, in the per-layer statistic."""
-        if g.layers is None:
-            self.stats.retained_mass = mass.tolist()
-            return
+    def _record_mass(self, g: LayerGroup, mass: np.ndarray, seen: np.ndarray) -> None:
+        """The retained mass of the group's layers at its last eviction, in the per-layer statistic; a layer whose
+        statistics hold no attention (none observed since they started over: a resize, a reading's end) keeps its
+        last figure (it showed 0.000 retained)."""
+        layers = range(self.engine.n_layer) if g.layers is None else g.layers
         per_layer = self.stats.retained_mass or [1.0] * self.engine.n_layer
-        for il, m in zip(g.layers, mass, strict=True):
-            per_layer[int(il)] = float(m)
+        for il, m, observed in zip(layers, mass, seen, strict=True):
+            if observed:
+                per_layer[int(il)] = float(m)
         self.stats.retained_mass = per_layer
 
     def _auto_count(self, g: LayerGroup, obs: Observation, order: np.ndarray) -> int:

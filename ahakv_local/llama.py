@@ -25,6 +25,7 @@ With or without a budget, a model whose GGUF has no chat template chats as a pla
 from __future__ import annotations
 
 import ctypes
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import llama_cpp
 import numpy as np
+from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from . import rpc, upstream
 from .budget import KV_TYPE_AUTO, QUESTION_AGNOSTIC, Budget, check_trained_context, default_layer_budgets
@@ -77,13 +79,20 @@ def available_memory() -> int | None:
 
 def llama_response_format(response_format: dict) -> dict:
     """OpenAI's ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` as llama-cpp-python's
-    ``{"type": "json_object", "schema": {...}}``, whose grammar it samples under; any other format as it is."""
-    if response_format.get("type") != "json_schema":
-        return response_format
-    schema = (response_format.get("json_schema") or {}).get("schema")
-    if not isinstance(schema, dict):
-        raise ValueError('response_format of type json_schema needs "json_schema": {"name": ..., "schema": {...}}')
-    return {"type": "json_object", "schema": schema}
+    ``{"type": "json_object", "schema": {...}}``, whose grammar it samples under; any other format as it is. A schema
+    its grammar cannot be made from is a ValueError: llama-cpp-python sampled any JSON in its place, without a word
+    (a ``pattern`` without ``^...$``, an unknown type, a ``$ref`` it cannot resolve)."""
+    if response_format.get("type") == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ValueError('response_format of type json_schema needs "json_schema": {"name": ..., "schema": {...}}')
+        response_format = {"type": "json_object", "schema": schema}
+    if response_format.get("type") == "json_object" and "schema" in response_format:
+        try:
+            json_schema_to_gbnf(json.dumps(response_format["schema"]))
+        except Exception as exc:  # (an AssertionError, mostly: the converter checks what it supports with assert)
+            raise ValueError(f"response_format's schema cannot be sampled: {exc}") from None
+    return response_format
 
 
 def product_layout(model_path: str | Path, n_gpu_layers: int = 0, rpc_servers: Sequence[str] = ()) -> str:
@@ -198,6 +207,9 @@ class Llama(llama_cpp.Llama):
         self._timing = {"prompt_tokens": 0, "prompt_s": 0.0, "gen_tokens": 0, "gen_s": 0.0, "sampled": 0}
         if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 0:  # (a budget's plan took -1 for 0)
             raise AhakvError(f"n_ctx must be 0 (the model's trained context) or more, not {n_ctx!r}")
+        for name, n in (("n_batch", n_batch), ("n_ubatch", kwargs.get("n_ubatch", 512))):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:  # (-1: llama.cpp failed, then a crash on exit)
+                raise AhakvError(f"{name} must be 1 or more, not {n!r}")
         if kv_query not in (True, False, *QUESTION_AGNOSTIC):
             raise AhakvError(f"kv_query must be True, False, 'reconstruct' or 'surprisal', not {kv_query!r}")
         self._kv_query_default = kv_query
@@ -342,6 +354,11 @@ class Llama(llama_cpp.Llama):
             kv_query = self._chat_question if self._chat_question is not None else self._kv_query_default
         self.set_kv_query(kv_query, prompt)
         return super().create_completion(prompt, *args, **kwargs)
+
+    def __call__(self, prompt, *args, kv_query: bool | str | None = None, **kwargs):
+        """``create_completion``, as llama-cpp-python's (whose ``__call__`` takes the same parameters, in the same
+        order, and no others: ``llm(prompt, kv_query=...)`` was a TypeError)."""
+        return self.create_completion(prompt, *args, kv_query=kv_query, **kwargs)
 
     def create_chat_completion(self, messages, *args, kv_query: bool | str | None = None, **kwargs):
         """llama-cpp-python's; a long conversation is read guided by its last user message by default. OpenAI's

@@ -50,8 +50,8 @@ class Sampling:
         k = min(TOP_K, logits.size)
         top = np.argpartition(-logits, k - 1)[:k]
         top = top[np.argsort(-logits[top], kind="stable")]
-        z = logits[top].astype(np.float64) / self.temperature
-        p = np.exp(z - z.max())
+        z = logits[top].astype(np.float64)
+        p = np.exp((z - z.max()) / self.temperature)  # shifted first: a tiny temperature divided to inf, then NaN
         p /= p.sum()
         keep = int(np.searchsorted(np.cumsum(p), self.top_p)) + 1
         p = p[:keep] / p[:keep].sum()

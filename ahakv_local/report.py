@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from .bench import LongRow, SpeedRow
+from .errors import AhakvError
 from .evaluation import PplResult
 from .longdoc import LongdocTrial
 from .longdoc import accuracy_table as longdoc_table
@@ -49,6 +50,38 @@ def provenance(model: Path, text: str, tokens: int) -> dict:
 
 # every figure a report writes (results.json's config names the one it wrote)
 FIGURES = ("ppl_vs_budget.png", "accuracy.png", "long_run.png")
+TABLES = ("results.json", "results.csv", "results.md")
+
+
+def _ours(results: Path) -> bool:
+    """Whether ``results`` is a results.json a report of ours wrote (its config has our provenance, or names the figure
+    it wrote)."""
+    try:
+        config = json.loads(results.read_text())["config"]
+        return "patch_sha256" in config or "figure" in config
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def check_outputs(out: Path, figure: str | None = None, inputs: tuple[str, ...] = ()) -> None:
+    """Refuse, before a run, what its report (the tables and ``figure``) could not write or must not replace: a folder
+    where one of its files goes (a traceback after the run, its results lost), a file of those names in a folder
+    without a report of ours (a user's results.md was replaced), or one of the run's own ``inputs``
+    (``--text notes/results.md --out notes``)."""
+    names = TABLES + ((figure,) if figure else ())
+    for name in names:
+        if (out / name).is_dir():
+            raise AhakvError(f"cannot write the outputs to {out}: {out / name} is a folder")
+    written = {(out / name).resolve() for name in names}
+    for given in inputs:
+        if Path(given).resolve() in written:
+            raise AhakvError(f"{given} is an input of this run and a file its report writes: give another --out")
+    if not _ours(out / "results.json"):
+        theirs = [name for name in names if (out / name).exists()]
+        if theirs:
+            raise AhakvError(
+                f"{out / theirs[0]} was not written by a report of ahakv-local: not replaced (give another --out)"
+            )
 
 
 def _figures_before(out: Path) -> tuple[str, ...]:

@@ -93,7 +93,7 @@ def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None
         # the cells of each KV cache the state was made in (adaptive layer budgets resize them; None: no budget)
         "cache_cells": [int(n) for n in state.kv_cache_cells] if getattr(state, "kv_cache_cells", None) else None,
         # the budget those caches were laid out for, as --budget takes it (chat's /budget 8MiB re-sizes them)
-        "budget": as_option(llm.kv_controller.config.budget) if llm.kv_controller is not None else None,
+        "budget": as_option(llm.kv_controller.laid_out) if llm.kv_controller is not None else None,
         "layer_budgets": llm.kv_controller.config.layer_budgets if llm.kv_controller is not None else None,
         # the policy that runs (chat's /policy switches it in the same caches)
         "policy": llm.kv_controller.policy.name if llm.kv_controller is not None else "full",
@@ -183,7 +183,7 @@ def _how_to_load(meta: dict, llm) -> str:
     policy = laid_out.get("policy", meta.get("policy"))  # (files written before it was kept: the running policy)
     ours = llm.kv_laid_out_for
     options = []
-    if saved is not None and (kv is None or as_option(saved) != as_option(kv.config.budget)):
+    if saved is not None and (kv is None or as_option(saved) != as_option(kv.laid_out)):
         options.append(f"--budget {as_option(saved)}")
     n_ctx = laid_out.get("n_ctx")
     if saved is not None and saved.mode in ("ratio", "auto") and type(n_ctx) is int and n_ctx != ours["n_ctx"]:

@@ -331,13 +331,19 @@ def check_kv_query(query: bool | str | None, policy: Policy | None) -> None:
         )
 
 
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """A request's stop strings, the empty one left out: every text contains it, so llama-cpp-python answered nothing
+    at once (``"stop": [""]``), and the --parallel server took ``"stop": ""`` as none. Both servers now ignore it."""
+    return [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
+
+
 def sampling_of(req: KVFields, limit: int) -> dict:
     """The sampling arguments of a request (``max_tokens`` 0, null or above ``limit`` is cut to it)."""
     kw = {
         "max_tokens": min(req.max_tokens or limit, limit),
         "temperature": req.temperature,
         "top_p": req.top_p,
-        "stop": req.stop,
+        "stop": stop_strings(req.stop),
         # llama.cpp's seeds are uint32; ctypes would wrap the same way, or fail past 64 bits
         "seed": None if req.seed is None else req.seed & 0xFFFFFFFF,
         "presence_penalty": req.presence_penalty,
@@ -605,7 +611,7 @@ class ParallelRunner:
                     "grammar (the one-at-a-time server has)"
                 )
             kw = sampling_of(req, self.max_tokens_limit)
-            stop = kw.get("stop") or []
+            stop = kw["stop"]
             tokens, chat_stop, read_with = prompt_of(
                 self.pool.engine, job.kind, job.payload, req.kv_query, self.default_query
             )
@@ -618,7 +624,7 @@ class ParallelRunner:
                 temperature=req.temperature,
                 top_p=req.top_p,
                 seed=kw.get("seed"),
-                stop=tuple([stop] if isinstance(stop, str) else stop) + tuple(chat_stop),
+                stop=tuple(stop) + tuple(chat_stop),
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
             )

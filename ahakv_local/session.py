@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from numbers import Integral
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,11 @@ from .policies import Policy, make_policy
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
 
 
+def whole(v: object) -> bool:
+    """An int (a numpy one too), not a bool."""
+    return isinstance(v, Integral) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class SessionSpec:
     """What a bounded sequence is: a policy with its parameters, a budget and an eviction schedule.
@@ -80,6 +86,15 @@ class SessionSpec:
 
     def __post_init__(self) -> None:
         policy = self.make_policy()  # an unknown policy or parameter fails here, before any model loads
+        # the drop-in's kv_sinks/kv_recent/kv_evict_every/... come here as given: "x" or 1.5 failed deep in numpy
+        for name in ("n_sink", "n_recent", "evict_every", "observe_steps"):
+            v = getattr(self, name)
+            if not (v is None and name in ("evict_every", "observe_steps")) and not whole(v):
+                raise AhakvError(f"{name} must be a whole number, not {v!r}")
+        if self.pinned is not None and not (
+            isinstance(self.pinned, tuple | list) and len(self.pinned) == 2 and all(map(whole, self.pinned))
+        ):
+            raise AhakvError(f"pinned must be a (start, end) pair of positions, not {self.pinned!r}")
         if policy.evicts and not self.budget.evicts:
             raise AhakvError(f"policy {self.policy} evicts: give it a budget (the full cache keeps everything)")
         if self.reading not in READINGS:

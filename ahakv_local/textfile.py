@@ -31,6 +31,17 @@ def decode(data: bytes, where: str) -> str:
     return text
 
 
+def typed_text(text: str, where: str) -> str:
+    """Text that came as a ``str`` from outside (argv, a terminal's line) as UTF-8, or one line of error: Python hands
+    bytes that are not UTF-8 on as surrogates, which failed later at the tokenizer with a codec's traceback."""
+    return decode(text.encode("utf-8", "surrogateescape"), where)
+
+
+def shown_name(path: Path) -> str:
+    """A file's name as text a model can read: bytes of it that are not UTF-8 become U+FFFD."""
+    return path.name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def read_stream(stream: BinaryIO, where: str) -> str:
     data = stream.read(MAX_TEXT_BYTES + 1)
     if len(data) > MAX_TEXT_BYTES:

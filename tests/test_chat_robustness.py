@@ -780,7 +780,7 @@ def test_a_budget_set_right_after_a_policy_is_held_at_once(tmp_path):
         st = s.llm.kv_stats()
         assert st.budget == 48 and st.cells_used <= 48
         # a cell budget for a policy that keeps every token is refused, not accepted and never held
-        command(s, "/budget", "2MiB")
+        command(s, "/budget", "1MiB")  # (2 MiB: past the fixture's trained context, refused)
         command(s, "/policy", "full")
         with pytest.raises(AhakvError, match="policy full keeps every token: a budget needs a policy that evicts"):
             command(s, "/budget", "64")
@@ -993,3 +993,82 @@ def test_stats_lists_every_kv_cache_by_layer_in_readable_units():
         assert sum(a for a, _ in stats.kv_group_bytes.values()) == stats.kv_bytes
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("layout", ["adaptive", "natural"])
+def test_a_chat_saved_under_a_smaller_cell_budget_names_the_budget_its_caches_were_laid_out_for(tmp_path, layout):
+    """A smaller cell budget is held inside the caches as they are (adaptive: until its next re-split), but a saved
+    chat recorded the budget in force: chat at 192, /budget 96, /save; loaded at 96 the hint said "open the chat with
+    --budget 96", which refused it again, and only the chat's first budget (named nowhere) loaded it."""
+    path = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
+
+    def opened(budget: int) -> ChatSession:
+        llm = Llama(str(path), kv_budget=budget, kv_layer_budgets=layout, kv_recent=8, n_batch=32, verbose=False)
+        return ChatSession(llm, None, max_tokens=4, temperature=0.0)
+
+    s = opened(192)
+    talk(s, "hello there")
+    assert s.set_budget("96").startswith("budget: 96 cells")
+    s.save(tmp_path / "lowered.chat")
+    s.llm.close()
+    s = opened(96)
+    try:
+        with pytest.raises(AhakvError, match=r"other sizes \(.*\): open the chat with --budget 192$"):
+            s.load(tmp_path / "lowered.chat")
+    finally:
+        s.llm.close()
+    s = opened(192)  # what the hint names loads it
+    try:
+        assert s.load(tmp_path / "lowered.chat").startswith("loaded 2 messages")
+    finally:
+        s.llm.close()
+
+
+def test_a_budget_past_the_trained_context_is_refused_in_a_chat_as_at_the_start(tmp_path):
+    """The open refuses a budget past the model's trained context (nothing would ever be evicted); chat's /budget
+    took it: ``/budget 1GiB`` laid out 107 MiB of caches for "1 GiB", and every later turn ran unbounded."""
+    path = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
+    s = session(path, budget=96)
+    try:
+        talk(s, "hello there")
+        kv, e = s.llm.kv_controller, s.llm.kv_engine
+        sizes, budget = e.cache_sizes(), kv.config.budget
+        trained = e.n_ctx_train
+        with pytest.raises(AhakvError, match=f"exceeds the model's trained context of {trained} positions"):
+            s.set_budget(str(trained + 1))
+        # bytes that hold more than the trained context in every full-attention layer
+        cells = 2 * trained * max(e.cell_bytes(c) for c in e.caches) * len(e.layer_cache)
+        with pytest.raises(
+            AhakvError,
+            match=f"holds more cells than the model's trained context of {trained} positions in every full-attention",
+        ):
+            s.set_budget(f"{cells}B")
+        assert e.cache_sizes() == sizes and kv.config.budget == budget
+    finally:
+        s.llm.close()
+
+
+def test_retained_mass_is_kept_for_a_layer_whose_statistics_hold_no_attention(tmp_path):
+    """After /read the statistics start over (no rows observed), and a /budget right then evicted with attention
+    sums of zero: /stats showed 0.000 retained in those layers. A layer with nothing observed keeps its last figure;
+    the others are the retained share of the attention they observed, recomputed here."""
+    path = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the weather in the mountains is cold and the rivers run fast in the spring. " * 20)
+    s = session(path, budget=256)
+    try:
+        s.read_document(doc)
+        kv = s.llm.kv_controller
+        before = list(kv.stats.retained_mass) or [1.0] * kv.engine.n_layer
+        kv.engine.reset_stats()  # nothing observed since
+        observed = {}
+        for g in kv.groups:
+            obs = kv._observe(g, kv._tap[0])
+            for i, il in enumerate(g.layers if g.layers is not None else range(kv.engine.n_layer)):
+                observed[int(il)] = float(obs.attn[i].sum())
+        assert not any(observed.values())
+        s.set_budget("0.1")
+        assert kv.stats.evicted > 0
+        assert kv.stats.retained_mass == before
+    finally:
+        s.llm.close()

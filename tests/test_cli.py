@@ -248,8 +248,8 @@ def test_info_without_a_sliding_window_has_one_baseline(fixture_model):
         (
             ["--budget", "100MiB"],
             {},
-            r"error: budget 100 MiB holds \d+ cells in every full-attention layer, past the "
-            r"model's trained context of 4096 positions",
+            r"error: budget 100 MiB holds more cells than the model's trained context of 4096 positions in every "
+            r"full-attention layer",
         ),
         (["--budget", "30"], {}, r"error: budget 30 is smaller than sinks \+ recent \+ newest \(4 \+ 32 \+ 1\)"),
         # the schedule's variables, which info ignored (it stated 229 cells)
@@ -509,6 +509,12 @@ def test_bad_option_values_are_one_line(fixture_model):
             1,
         ),
         (["eval", "needle", "--budgets", "9000"], r"error: budget 9000 cells exceeds the model's trained context", 1),
+        # it stated the KV memory at 100,000,000 tokens (24,414 MiB), past any context of the model
+        (
+            ["bench", "speed", "--budget", "64", "--memory-context", "100000000"],
+            r"error: --memory-context 100000000 is past the model's trained context of 4096$",
+            1,
+        ),
         # a text or a prompt past the trained context failed there, after the full cache's whole run
         (["eval", "ppl", "--tokens", "5000"], r"error: 5000 tokens of text are past the model's trained context", 1),
         (["eval", "needle", "--lengths", "4090"], r"error: length 4090 \(\+8 answer tokens\) is past the model's", 1),
@@ -964,3 +970,111 @@ def test_an_answer_that_cannot_be_written_is_one_line(fixture_model):
             stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
         )  # fmt: skip
     assert_one_line_error(proc, r"error: cannot write the answer to standard output: No space left on device")
+
+
+def test_text_typed_or_given_to_chat_that_is_not_utf8_is_one_line(fixture_model, tmp_path):
+    """A terminal or an argument hands bytes that are not UTF-8 on as surrogates: ``chat -sys`` with them ended in a
+    codec's traceback, a typed message in a codec's error line, and ``/read`` of a file whose name has them in the
+    catch-all's "failed" line. Now -sys is refused as -p is, a message is refused and the chat goes on, and a file
+    name that is not UTF-8 is read, its name shown with U+FFFD."""
+    env = {**os.environ, "AHAKV_CACHE_DIR": str(tmp_path)}
+    chat = ["chat", str(fixture_model), "-n", "2", "-t", "1", "--temp", "0"]
+    assert_one_line_error(
+        ahakv(*chat, "-sys", os.fsdecode(b"caf\xe9"), env=env, stdin="hello\n"),
+        r"error: the text of -sys is not UTF-8 text \(byte 3\)",
+    )
+    named = tmp_path / os.fsdecode(b"caf\xe9.txt")
+    named.write_text("a short document about the weather\n")
+    proc = ahakv(*chat, env=env, cwd=tmp_path, stdin=b"caf\xe9 au lait\n/read caf\xe9.txt\nhello\n")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert "error: this message is not UTF-8 text (byte 3): convert it first, e.g. with iconv" in lines
+    assert any(re.match(r"read caf\ufffd\.txt: \d+ tokens", line) for line in lines), proc.stderr
+    kept = max((tmp_path / "chats").iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    users = [m["content"] for m in json.loads(kept.read_text()) if m["role"] == "user"]
+    assert users[0].startswith("Here is a document, caf\ufffd.txt:") and users[1:] == ["hello"]
+
+
+@pytest.mark.parametrize("args", [["--temp", "nan"], ["--top-p", "nan"], ["--temp", "inf"], ["--error-tol", "nan"]])
+def test_a_float_option_that_is_not_a_finite_number_is_exit_2(fixture_model, args):
+    """click's range checks are all false for nan: ``--temp nan`` sampled and exited 0."""
+    option = args[0]
+    assert_one_line_error(
+        ahakv("generate", str(fixture_model), "-p", "x", "-n", "1", "--budget", "auto", *args),
+        rf"error: Invalid value for '{option}': '{args[1]}' is not a finite number",
+        code=2,
+    )
+
+
+def test_a_byte_budget_in_a_unit_it_does_not_know_says_which_units_it_knows(tmp_path):
+    for text in ("1TiB", "16MB"):
+        assert_one_line_error(
+            ahakv("generate", str(tmp_path / "absent.gguf"), "-p", "x", "--budget", text),
+            rf"error: a budget in bytes is a number and one of GiB, MiB, KiB, B, like 16MiB, not '{text}'",
+        )
+
+
+def test_a_report_never_replaces_what_it_did_not_write_and_never_fails_after_its_run(fixture_model, tmp_path):
+    """Refused in one line before the run: a folder where a file of the report goes (the run finished, then a
+    traceback, its results lost), a user's file of a report's name in a folder without a report of ours (replaced
+    silently, the run's own --text included), and an empty --out (the working folder, unasked)."""
+    ppl = ["eval", "ppl", str(fixture_model), "-t", "1", "--tokens", "96", "--prefix", "16", "--budgets", "48"]
+    ppl += ["--policies", "h2o", "--recent", "8"]
+    for name in ("results.json", "results.md", "ppl_vs_budget.png"):
+        out = tmp_path / f"folder-{name}"
+        (out / name).mkdir(parents=True)
+        assert_one_line_error(
+            ahakv(*ppl, "--out", str(out)), rf"error: cannot write the outputs to .*: .*{name} is a folder"
+        )
+        assert sorted(p.name for p in out.iterdir()) == [name]
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    text = "the user's own notes, not a report\n" * 50
+    (notes / "results.md").write_text(text)
+    assert_one_line_error(
+        ahakv(*ppl, "--out", str(notes)), r"error: .*results\.md was not written by a report of ahakv-local"
+    )
+    assert_one_line_error(
+        ahakv(*ppl, "--text", str(notes / "results.md"), "--out", str(notes)),
+        r"error: .*results\.md is an input of this run and a file its report writes: give another --out",
+    )
+    assert sorted(p.name for p in notes.iterdir()) == ["results.md"] and (notes / "results.md").read_text() == text
+    assert_one_line_error(ahakv(*ppl, "--out", ""), r"error: --out is empty: name the folder for the outputs")
+    # a report of ours is replaced by the next run, whose own --text may still not be one of its files
+    done = tmp_path / "done"
+    assert ahakv(*ppl, "--out", str(done)).returncode == 0
+    assert ahakv(*ppl, "--out", str(done)).returncode == 0
+    assert_one_line_error(
+        ahakv(*ppl, "--text", str(done / "results.md"), "--out", str(done)), r"error: .*is an input of this run"
+    )
+
+
+def test_the_measuring_commands_refuse_in_one_line_what_they_found_wrong_before_or_after_a_note(
+    fixture_model, tmp_path
+):
+    """A note and then an error were two lines for one mistake (``eval ppl --tokens`` past the text and the trained
+    context, ``eval longdoc`` of an unguided policy with a short filler); a malformed ``--budgets`` waited for the
+    model to load (a cut-short model said so instead); ``eval needle`` ran a budget that holds every prompt as a row
+    of the full cache under a budget's name, which ``eval ppl`` refuses."""
+    out = str(tmp_path / "out")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(fixture_model.read_bytes()[:1000])
+    assert_one_line_error(
+        ahakv("eval", "ppl", str(cut), "--budgets", "abc", "--out", out), r"error: budget must be a cell count"
+    )
+    assert_one_line_error(
+        ahakv("eval", "ppl", str(fixture_model), "-t", "1", "--tokens", "99999999", "--budgets", "64", "--out", out),
+        r"error: \d+ tokens of text are past the model's trained context of 4096: give --tokens 4096 or fewer$",
+    )
+    assert_one_line_error(
+        ahakv("eval", "needle", str(fixture_model), "-t", "1", "--lengths", "400", "--budgets", "1000", "--out", out),
+        r"error: budget 1000 cells holds every prompt \(400 tokens at most\): nothing is evicted$",
+    )
+    short = tmp_path / "short.txt"
+    short.write_text("only a few words here\n")
+    longdoc = ["eval", "longdoc", str(fixture_model), "-t", "1", "--lengths", "512", "--depths", "0.5"]
+    proc = ahakv(*longdoc, "--policies", "h2o", "--filler", str(short), "--out", out)
+    # found by the run: behind its progress bar, which a terminal erases ("\r"), no note before the error line
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("eval longdoc:")]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and re.match(r"error: the filler texts have \d+ tokens; \d+ are needed$", lines[0])

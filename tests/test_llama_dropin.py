@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import llama_cpp
 import numpy as np
 import pytest
@@ -212,6 +215,16 @@ def test_openais_json_schema_format_is_sampled_as_json_of_the_schema(gemma_model
         assert isinstance(answer["city"], str) and isinstance(answer["year"], int)
         with pytest.raises(ValueError, match="needs"):  # no schema to sample under
             llm.create_chat_completion(messages, max_tokens=2, response_format={"type": "json_schema"})
+        # one llama-cpp-python's grammar cannot be made from (a pattern without ^...$): it sampled any JSON instead
+        code = {"type": "object", "properties": {"code": {"type": "string", "pattern": "[A-Z]{3}"}}}
+        for fmt in (
+            {"type": "json_schema", "json_schema": {"name": "c", "schema": code}},
+            {"type": "json_object", "schema": code},
+        ):
+            with pytest.raises(
+                ValueError, match=r"response_format's schema cannot be sampled: Pattern must start with"
+            ):
+                llm.create_chat_completion(messages, max_tokens=2, response_format=fmt)
 
 
 def test_a_prompt_past_the_trained_context_names_it(fixture_model):
@@ -609,3 +622,39 @@ def test_a_loaded_state_answers_alike_whatever_the_llama_read_before(fixture_mod
             runs.append((llm.kv_controller.live.copy(), np.array(llm.eval_logits[-1])))
     np.testing.assert_array_equal(runs[1][0], runs[0][0])
     np.testing.assert_array_equal(runs[1][1], runs[0][1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kv_budget": 64, "kv_sinks": "x"}, r"n_sink must be a whole number, not 'x'"),
+        ({"kv_budget": 64, "kv_recent": 1.5}, r"n_recent must be a whole number, not 1\.5"),
+        ({"kv_budget": 64, "kv_evict_every": "x"}, r"evict_every must be a whole number"),
+        ({"kv_budget": 64, "kv_pinned": "x"}, r"pinned must be a \(start, end\) pair of positions"),
+        ({"kv_budget": "auto", "kv_min_ratio": "a"}, r"min_ratio must be a number in \(0, 1\], not 'a'"),
+        ({"kv_budget": "auto", "kv_error_tol": "x"}, r"error_tol must be a number in \(0, 1\]"),
+        ({"kv_budget": "auto", "kv_error_tol": -1}, r"error_tol must be a number in \(0, 1\], not -1"),
+        ({"kv_budget": "auto", "kv_min_ratio": 0.9, "kv_max_ratio": 0.1}, r"min_ratio 0\.9 is more than max_ratio"),
+        ({"kv_budget": 128, "n_ubatch": 0}, r"n_ubatch must be 1 or more, not 0"),
+        ({"n_batch": -1}, r"n_batch must be 1 or more, not -1"),
+    ],
+)
+def test_bad_keyword_arguments_are_refused_by_name(fixture_model, kwargs, message):
+    """What the command line range-checks, the Python API took as given: "x" and 1.5 failed deep in numpy with a
+    TypeError, an error_tol of "x" or -1 ran (auto kept 67 cells), min_ratio above max_ratio was taken, n_ubatch=0
+    was a ZeroDivisionError's cousin in range(), and n_batch=-1 failed in llama.cpp, then crashed the interpreter as
+    the half-made object was freed."""
+    with pytest.raises(AhakvError, match=message):
+        Llama(str(fixture_model), verbose=False, **kwargs)
+
+
+def test_a_refused_batch_size_leaves_a_process_that_exits_cleanly(fixture_model):
+    script = (
+        "from ahakv_local import Llama\n"
+        "try:\n"
+        f"    Llama({str(fixture_model)!r}, n_batch=-1, verbose=False)\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "refused: n_batch must be 1 or more" in proc.stdout, proc.stderr

@@ -269,6 +269,9 @@ def test_the_drop_in_reads_a_long_prompt_with_its_question(fixture_model, licens
         llm.create_completion(f"{document}\n\nThe version is", max_tokens=2, temperature=0, kv_query="Which?")
         assert seen and all(q == llm.tokenize(b"Which?", add_bos=False) for q in seen)
         assert np.array_equal(llm.kv_engine.live_positions(), ctl.live)
+        seen.clear()  # called as llama-cpp-python's Llama is (a TypeError: its __call__ names its parameters)
+        llm(f"{document}\n\nThe version is", max_tokens=2, temperature=0, kv_query="Which?")
+        assert seen and all(q == llm.tokenize(b"Which?", add_bos=False) for q in seen)
         seen.clear()
         other = license_text[2500:5000]  # no prefix in common with the cache: read from the start
         llm.create_completion(f"{other}\n\nThe version is", max_tokens=2, temperature=0, kv_query="surprisal")

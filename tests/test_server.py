@@ -259,6 +259,8 @@ def test_per_request_budget_and_policy(client, server):
     )
     assert out.usage.prompt_tokens > 2 * 96 + 64 and out.choices[0].text is not None
     with pytest.raises(BadRequestError, match="does not fit"):
+        client.completions.create(model="local", prompt="x", max_tokens=2, extra_body={"kv_budget": 20000})
+    with pytest.raises(BadRequestError, match="exceeds the model's trained context of 32768 positions"):
         client.completions.create(model="local", prompt="x", max_tokens=2, extra_body={"kv_budget": 100000})
     # 30 cells take their own eviction period (2; generate --budget 30 runs): refused for the server's (19, for 96)
     out = client.completions.create(model="local", prompt="x", max_tokens=2, extra_body={"kv_budget": 30})
@@ -412,6 +414,7 @@ def test_bad_requests_are_openai_errors(server):
 # null, a JSON response_format plain text, and two prompts one answer to both joined together
 
 CHAT = "/v1/chat/completions"
+UNANCHORED = {"type": "object", "properties": {"code": {"type": "string", "pattern": "[A-Z]{3}"}}}  # OpenAI takes it
 NOT_DONE = [  # (route, field, a value asking for it, words of the refusal)
     ("/v1/completions", "n", 2, "n=2 is not supported: this server gives one choice per request"),
     ("/v1/completions", "best_of", 3, "best_of=3"),
@@ -425,6 +428,9 @@ NOT_DONE = [  # (route, field, a value asking for it, words of the refusal)
     (CHAT, "tool_choice", "required", "tool_choice"),
     ("/v1/completions", "response_format", {"type": "json_object"}, "not a JSON format"),  # a chat's is served
     (CHAT, "response_format", {"type": "json_schema"}, "needs"),  # without its schema
+    # schemas llama-cpp-python's grammar cannot be made from: it sampled any JSON instead, with a 200
+    (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "code", "schema": UNANCHORED}}, "^"),
+    (CHAT, "response_format", {"type": "json_object", "schema": {"type": "bogus"}}, "cannot be sampled"),
     ("/v1/completions", "prompt", ["one", "two"], "2 prompts in one request are not supported"),
     ("/v1/completions", "prompt", [1, 2, 3], "token ids are not supported"),
 ]
@@ -727,3 +733,24 @@ def test_every_request_runs_the_model_in_one_long_lived_thread(fixture_model):
             request_threads.append(request.ident)
             assert job.events == ["result"]
         assert len(set(ran_in)) == 1 and ran_in[0] not in (*request_threads, threading.get_ident())
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_an_empty_stop_string_is_ignored_and_a_tiny_temperature_samples(fixture_model, parallel):
+    """Every text contains the empty string: llama-cpp-python answered nothing for ``"stop": [""]`` and the parallel
+    server took ``"stop": ""`` as no stop; both servers now ignore it, in either form. A temperature of 5e-324 (inside
+    [0, 2]) divided the parallel sampler's logits to infinities, then NaN probabilities: a 400."""
+    args = ["--budget", "64", "--recent", "8"] + (["--parallel", str(parallel)] if parallel > 1 else [])
+    proc, base = start_server(fixture_model, *args)
+    try:
+        body = {"prompt": "one two three four", "max_tokens": 6, "temperature": 0, "seed": 1}
+        status, plain = call(base, "/v1/completions", body)
+        assert status == 200 and plain["choices"][0]["text"]
+        for stop in ("", [""], ["", "zzzz-never"]):
+            status, answer = call(base, "/v1/completions", {**body, "stop": stop})
+            assert status == 200 and answer["choices"][0]["text"] == plain["choices"][0]["text"], (stop, answer)
+        status, answer = call(base, "/v1/completions", {**body, "temperature": 5e-324})
+        # as sharp as greedy: the most likely token, unless two are tied at the top
+        assert status == 200 and answer["choices"][0]["text"] == plain["choices"][0]["text"], answer
+    finally:
+        stop_server(proc)

@@ -154,3 +154,15 @@ def test_a_replaced_context_is_let_go_by_its_model(fixture_model):
         # the first was upstream's own, which its Llama holds until it closes (one, not one per resize); nothing
         # holds those the engine made
         assert all(r() is None for r in replaced[1:])
+
+
+def test_the_drop_in_s_call_is_its_create_completion_as_upstream_s_is():
+    """``Llama.__call__`` hands its arguments to ``create_completion`` as they come (with ``kv_query``): right only
+    while upstream's two take the same parameters, in the same order, with the same defaults."""
+    import inspect
+
+    called = inspect.signature(llama_cpp.Llama.__call__).parameters
+    completion = inspect.signature(llama_cpp.Llama.create_completion).parameters
+    assert [(p.name, p.default, p.kind) for p in called.values()] == [
+        (p.name, p.default, p.kind) for p in completion.values()
+    ]
