@@ -752,6 +752,21 @@ class KVController:
         self.stats.tokens_seen = n
         self._count()  # from n = 0, the budget's own target: the last decision belonged to the forgotten sequence
 
+    def resume_point(self, n: int) -> int:
+        """Where a read that replaces the positions from ``n`` on can start, at most ``n``: llama.cpp takes the next
+        token at the newest position a cache holds + 1, so where the positions just below ``n`` were evicted (a
+        compressed history reused from a prefix that ends among them) the read goes back to the newest position every
+        group still holds below it, and the tokens from there are read again (they failed in llama_decode, for good:
+        "the last position stored ... is X = 5 ... Y = 13"). A group holding none below it constrains nothing."""
+        r = n
+        while r > 0:
+            tops = [int(live[live < r][-1]) for g in self.groups if (live := g.live).size and live[0] < r]
+            back = min(tops, default=r - 1) + 1
+            if back == r:
+                return r
+            r = back
+        return 0
+
     def _record_words(self, start: int, tokens: Sequence[int]) -> None:
         self.words.add(start, tokens)
         self.spans.add(start, tokens)

@@ -392,8 +392,12 @@ class Llama(llama_cpp.Llama):
                 f"context of {self._n_ctx} positions"
             )
         kv = self._kv
-        kv.truncate(self.n_tokens)  # positions >= n_tokens are being replaced
         tokens = list(tokens)
+        resume = kv.resume_point(self.n_tokens)  # a reused compressed history may have lost the positions before it
+        if resume < self.n_tokens:
+            tokens = [int(t) for t in self.input_ids[resume : self.n_tokens]] + tokens
+            self.n_tokens = resume
+        kv.truncate(self.n_tokens)  # positions >= n_tokens are being replaced
         for i, (chunk, ends_prompt) in enumerate(kv.prompt_pieces(tokens, self._kv_guide, self.n_batch)):
             if i and self.should_stop():  # between prompt chunks too: a long prompt need not be read to the end
                 raise Stopped

@@ -658,3 +658,45 @@ def test_a_refused_batch_size_leaves_a_process_that_exits_cleanly(fixture_model)
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "refused: n_batch must be 1 or more" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("arch", "layout"), [("llama", "shared"), ("gemma3", "shared"), ("gemma3", "natural"), ("gemma3", "adaptive")]
+)
+def test_a_reused_compressed_history_is_read_on_from_a_prefix_that_ends_among_evicted_positions(
+    license_text, arch, layout
+):
+    """``kv_reuse_compressed``: a prompt sharing a prefix of the cached sequence reuses it, and llama.cpp takes the next
+    token at the newest cached position + 1. Where the positions just before the prefix's end were evicted, the read
+    failed in llama_decode ("the last position stored ... is X = 5 ... Y = 13"), and so did every later call until
+    ``reset()``. It now goes back to the newest position every group holds below the prefix's end and reads the
+    tokens from there again: that position is checked here against the native cell maps, position by position. (On
+    the Gemma 3 fixture, whose window is short, llama.cpp asks the sliding cache, which holds nothing that far back:
+    the llama fixture's one cache is what failed.)"""
+    from ahakv_local.fixture import FixtureSpec
+    from ahakv_local.models import fixture_path
+
+    path = fixture_path(FixtureSpec(arch=arch, n_layer=6))  # gemma3: sliding-window and full-attention layers
+    kw = {"kv_budget": 64, "kv_recent": 8, "kv_reuse_compressed": True, "kv_layer_budgets": layout, "verbose": False}
+    with Llama(str(path), n_batch=32, **kw) as llm:
+        text = llm.tokenize(license_text[:3000].encode(), add_bos=True)[:400]
+        llm.create_completion(text, max_tokens=4, temperature=0)
+        kv, e = llm.kv_controller, llm.kv_engine
+        gap = kv.first_gap()
+        assert gap is not None and gap + 3 < kv.live[-1]  # evicted positions well before the newest
+        n = gap + 2  # the new prompt shares the first n tokens: positions n - 2 and n - 1 were evicted
+        assert n - 1 not in kv.live
+        maps = [e.live_positions(g.map_layer) for g in kv.groups]
+
+        def resumes_at(r: int) -> bool:  # every cache holding a position below r holds r - 1
+            return all(m[m < r].size == 0 or m[m < r][-1] == r - 1 for m in maps)
+
+        expected = max(r for r in range(n + 1) if r == 0 or resumes_at(r))
+        assert kv.resume_point(n) == expected < n
+        prompt = text[:n] + llm.tokenize(b" something else entirely", add_bos=False)
+        first = llm.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
+        again = llm.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
+        assert first == again
+        for g in kv.groups:  # the cells and the bookkeeping agree, and the newest position is the last one read
+            np.testing.assert_array_equal(g.live, g.read_live(e))
+        assert int(kv.live[-1]) == e.n_past - 1 == llm.n_tokens - 1
