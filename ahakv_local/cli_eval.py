@@ -296,7 +296,7 @@ def eval_ppl(
 
     rpc_servers = parse_rpc(rpc)
     out = _out(out_dir, "ppl_vs_budget.png", (text_file,))
-    from .budget import check_layer_kinds, parse_schedule
+    from .budget import Budget, check_layer_kinds, parse_schedule
     from .session import SessionSpec
 
     names = _policies(policies)  # the user's own mistakes before the model is read
@@ -328,10 +328,12 @@ def eval_ppl(
     cells = _cells(budgets, len(ids), floor)
     ablated = cells if ablations else _cells(ablations_at, len(ids), floor) if ablations_at else []
     _below_trained(cells + ablated, info.n_ctx_train)  # --ablations-at too: it ran "0.0x compression" rows
-    if max(cells + ablated) >= len(ids):
-        raise AhakvError(
-            f"budget {max(cells + ablated)} cells holds the whole text ({len(ids)} tokens): nothing is evicted"
-        )
+    if (most := max(cells + ablated)) >= len(ids):
+        what = f"budget {most} cells"
+        if most == floor and most not in (int(Budget.parse(b).value) for b in budgets.split(",")):
+            # a fraction raised to the floor: "budget 305 cells" named a cell count nobody gave
+            what = f"a fraction of the text holds at least sinks + recent + one period ({floor} cells), which"
+        raise AhakvError(f"{what} holds the whole text ({len(ids)} tokens): nothing is evicted")
     # named specs: llama.cpp's trimmed full cache, every policy at every budget in every layout, then AhaKV without
     # each component
     configs = [TRIMMED] if info.n_layer_swa else []

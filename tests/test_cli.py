@@ -508,6 +508,11 @@ def test_bad_option_values_are_one_line(fixture_model):
             r"error: budget 500 cells holds the whole text \(400 tokens\): nothing is evicted$",
             1,
         ),
+        (
+            ["eval", "ppl", "--tokens", "256", "--budgets", "0.1", "--recent", "300"],
+            r"error: a fraction of the text holds at least sinks \+ recent \+ one period \(305 cells\), which holds",
+            1,
+        ),
         (["eval", "needle", "--budgets", "9000"], r"error: budget 9000 cells exceeds the model's trained context", 1),
         # it stated the KV memory at 100,000,000 tokens (24,414 MiB), past any context of the model
         (
