@@ -357,6 +357,8 @@ class KVController:
         and their last span is guided too). With ``Reconstruct`` no question
         is known: every chunk is scored by how much a repetition of it attends to each position. With
         ``Surprisal`` (any policy) every chunk is compressed by the surprisal of each position's phrase alone."""
+        if not tokens:  # (an IndexError, deep in the chunking)
+            raise ValueError("prefill needs at least one token")
         chunk = chunk or self.engine.config.n_ubatch
         by_surprisal = isinstance(query, Surprisal)
         use_query = by_surprisal or (bool(query) and self.policy.reads_with_query)

@@ -65,6 +65,19 @@ def default_threads() -> int:
     return int(env)
 
 
+class _Closed:
+    """Stands in for the native model, context and batch of a closed engine: every later call raises instead."""
+
+    def __getattr__(self, name: str):
+        raise ValueError("this engine was closed: create a new one")
+
+    def __bool__(self) -> bool:
+        return False
+
+
+CLOSED = _Closed()
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     n_ctx: int = 4096  # KV cells (llama.cpp pads to 256)
@@ -186,6 +199,8 @@ class Engine:
         if config.n_seq < 1:
             raise ValueError(f"n_seq must be at least 1, not {config.n_seq}")
         threads = config.n_threads or default_threads()
+        if not 1 <= threads <= MAX_THREADS:  # (100000: std::bad_alloc at the first decode, the process aborted)
+            raise AhakvError(f"n_threads must be from 1 to {MAX_THREADS}, not {threads}")
         self.native = lib()  # refuses an unpatched engine before anything is loaded
 
         import llama_cpp
@@ -234,6 +249,11 @@ class Engine:
         except BaseException:
             self._model.close()
             raise
+        # with causal attention llama.cpp caps the batch at n_ctx: a decode cut in batches of more aborted the
+        # process (GGML_ASSERT n_tokens_all <= n_batch), n_ctx=200 with the default batch of 512
+        taken = llama_cpp.llama_n_batch(self.ctx)
+        if taken < config.n_batch:
+            config = self.config = dataclasses.replace(config, n_batch=taken, n_ubatch=min(config.n_ubatch, taken))
         self._batch = upstream.new_batch(config.n_batch, config.verbose)
         self._owned = True
         self.seq, self.shared = SEQ, config.n_seq > 1
@@ -423,9 +443,9 @@ class Engine:
             return  # attached to a Llama, which frees its own resources
         for owner in ("_batch", "_ctx", "_model"):
             obj = getattr(self, owner, None)
-            if obj is not None:
+            if obj is not None and obj is not CLOSED:
                 obj.close()
-                setattr(self, owner, None)
+                setattr(self, owner, CLOSED)  # (None: every later call an AttributeError on 'NoneType')
         self._rpc = None  # the workers' connections closed with the model: a new model checks them again
 
     def detach(self, stand_in) -> None:

@@ -41,6 +41,7 @@ from .controller import ControllerStats, KVController
 from .engine import Engine, clear_next_caches, kv_type_params, set_next_caches
 from .errors import AhakvError
 from .info import check_kv_types, read_info, reading_headers_once
+from .native import MAX_THREADS
 from .policies import make_policy
 from .session import SessionSpec, guide
 from .textfile import last_paragraph
@@ -210,6 +211,9 @@ class Llama(llama_cpp.Llama):
         for name, n in (("n_batch", n_batch), ("n_ubatch", kwargs.get("n_ubatch", 512))):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:  # (-1: llama.cpp failed, then a crash on exit)
                 raise AhakvError(f"{name} must be 1 or more, not {n!r}")
+        for name in ("n_threads", "n_threads_batch"):  # (100000: std::bad_alloc at the first decode, an abort)
+            if (n := kwargs.get(name)) is not None and not (isinstance(n, int) and n <= MAX_THREADS):
+                raise AhakvError(f"{name} must be a whole number up to {MAX_THREADS}, not {n!r}")
         if kv_query not in (True, False, *QUESTION_AGNOSTIC):
             raise AhakvError(f"kv_query must be True, False, 'reconstruct' or 'surprisal', not {kv_query!r}")
         self._kv_query_default = kv_query

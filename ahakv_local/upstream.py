@@ -95,23 +95,32 @@ def offload_target(rpc_servers: Sequence[str] = ()) -> bool:
     return bool(rpc_servers) or gpu_devices() > 0
 
 
+# Loading a model has process-wide effects in llama-cpp-python: ``verbose=False`` points file descriptors 1 and 2 at
+# /dev/null for the load (``suppress_stdout_stderr``), and ``model_params_hook`` swaps a module attribute. Two loads
+# overlapping in threads left /dev/null as the process's stdout and stderr for good, and one instance's hook (its
+# settings, and the instance itself) installed for every later load. Every load of ours holds this lock.
+LOADING = threading.RLock()
+
+
 @contextlib.contextmanager
 def model_params_hook(adjust: Callable[[Any], None]) -> Iterator[None]:
     """While active, every model ``llama_cpp.Llama`` loads passes its ``llama_model_params`` through ``adjust``
-    first: upstream's constructor has no argument for ``devices`` or ``use_extra_bufts``."""
+    first: upstream's constructor has no argument for ``devices`` or ``use_extra_bufts``. One load at a time
+    (``LOADING``), the rest of the constructor's load included."""
     from llama_cpp import _internals
 
-    original = _internals.LlamaModel
+    with LOADING:
+        original = _internals.LlamaModel
 
-    def load(*, path_model: str, params, verbose: bool = True):
-        adjust(params)
-        return original(path_model=path_model, params=params, verbose=verbose)
+        def load(*, path_model: str, params, verbose: bool = True):
+            adjust(params)
+            return original(path_model=path_model, params=params, verbose=verbose)
 
-    _internals.LlamaModel = load
-    try:
-        yield
-    finally:
-        _internals.LlamaModel = original
+        _internals.LlamaModel = load
+        try:
+            yield
+        finally:
+            _internals.LlamaModel = original
 
 
 def set_verbose(verbose: bool) -> None:
@@ -191,7 +200,8 @@ def load_model(path: str, params, verbose: bool):
     """A ``LlamaModel`` owning the native model (ValueError if llama.cpp cannot load it)."""
     from llama_cpp import _internals
 
-    return _internals.LlamaModel(path_model=path, params=params, verbose=verbose)
+    with LOADING:
+        return _internals.LlamaModel(path_model=path, params=params, verbose=verbose)
 
 
 def new_context(model, params, verbose: bool):

@@ -358,3 +358,19 @@ def test_a_report_removes_only_the_figures_a_report_of_ours_wrote(tmp_path):
         _write(out, {"patch_sha256": "y"}, [], ["label"], ["# x"], "long_run.png")
         assert {p.name for p in out.iterdir() if p.suffix == ".png"} == left, name
         assert json.loads((out / "results.json").read_text())["config"]["figure"] == "long_run.png"
+
+
+@pytest.mark.parametrize(("n_tokens", "prefix"), [(0, 128), (50, 128), (200, 1000), (200, 0), (200, 199)])
+def test_an_evaluation_with_nothing_to_score_says_why(fixture_model, n_tokens, prefix):
+    """ "need at least one array to concatenate" (no token after the prefix) or "the KV cache is full" (a negative
+    prefix) said nothing of the prefix."""
+    with pytest.raises(ValueError, match=f"prefix must be from 1 to two tokens short of the {n_tokens} tokens"):
+        evaluate(fixture_model, list(range(5, 5 + n_tokens)), [], prefix=prefix)
+
+
+def test_a_prefill_of_no_tokens_is_a_value_error(fixture_model):
+    from ahakv_local.session import open_session
+
+    with open_session(fixture_model, SessionSpec.bounded("h2o", 64), 256) as s:
+        with pytest.raises(ValueError, match="prefill needs at least one token"):
+            s.controller.prefill([])

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import llama_cpp
@@ -127,3 +129,83 @@ def test_the_engine_s_native_calls_leave_nothing_for_the_collector(fixture_model
         e.native.get_attn(e.ctx, 0, again.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), again.size)
         np.testing.assert_array_equal(attn, again)
         assert sorted(cells[cells >= 0]) == [0, 1, 2, 3, *range(7, 41)]
+
+
+def _run(script: str) -> subprocess.CompletedProcess:
+    """A script in a process of its own: what failed here aborted the interpreter (SIGABRT), or took its stdout."""
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+
+
+def test_a_context_smaller_than_the_batch_decodes_in_the_batches_llama_cpp_took(fixture_model):
+    """llama.cpp caps a causal context's batch at n_ctx; the engine still cut decodes in batches of its own n_batch,
+    and a decode of 240 tokens into 256 cells of n_ctx=200 aborted the process (GGML_ASSERT n_tokens_all <=
+    n_batch). The engine takes llama.cpp's batch, and the logits equal a decode in batches of 64."""
+    script = f"""
+import numpy as np
+from ahakv_local.engine import Engine, EngineConfig
+tokens = [(7 * i) % 200 + 5 for i in range(240)]
+with Engine({str(fixture_model)!r}, EngineConfig(n_ctx=200, n_threads=1)) as e:
+    small = e.decode(tokens)
+    print("batch", e.config.n_batch)
+with Engine({str(fixture_model)!r}, EngineConfig(n_ctx=200, n_batch=64, n_threads=1)) as e:
+    ref = e.decode(tokens)
+print("equal", bool(np.allclose(small, ref, rtol=1e-4, atol=1e-4)))
+"""
+    proc = _run(script)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # (the same tokens in other batches: llama.cpp's kernels take other paths, the same values to F32 rounding)
+    assert "batch 200" in proc.stdout and "equal True" in proc.stdout, proc.stdout
+
+
+def test_a_thread_count_past_ggml_s_most_is_refused_before_the_first_decode(fixture_model):
+    """n_threads=100000 was taken by the engine and the drop-in, and the first decode aborted the process
+    (std::bad_alloc); the command line and AHAKV_THREADS already refused it."""
+    with pytest.raises(AhakvError, match=f"n_threads must be from 1 to {native.MAX_THREADS}, not 100000"):
+        Engine(fixture_model, EngineConfig(n_ctx=256, n_threads=100000))
+    from ahakv_local import Llama
+
+    for budget in (None, 64):
+        with pytest.raises(AhakvError, match=f"n_threads must be a whole number up to {native.MAX_THREADS}"):
+            Llama(str(fixture_model), kv_budget=budget, n_threads=100000, verbose=False)
+
+
+def test_loads_overlapping_in_threads_leave_stdout_and_the_load_hook_as_they_were(fixture_model):
+    """llama-cpp-python's load with verbose=False points file descriptors 1 and 2 at /dev/null while it runs, and the
+    drop-in's model_params_hook swaps a module attribute: two loads overlapping in threads left /dev/null as the
+    process's stdout and stderr for good, and one instance's hook installed for every later load. Each load here is
+    slowed so that the two overlap whatever the machine; ours take turns (upstream.LOADING)."""
+    script = f"""
+import os, sys, threading, time
+from llama_cpp import _internals
+from ahakv_local import Llama
+real, init = _internals.LlamaModel, _internals.LlamaModel.__init__
+def slow(self, *a, **k):
+    time.sleep(0.5)
+    return init(self, *a, **k)
+_internals.LlamaModel.__init__ = slow
+made = []
+def load(budget):
+    made.append(Llama({str(fixture_model)!r}, kv_budget=budget, n_threads=1, verbose=False))
+threads = [threading.Thread(target=load, args=(b,)) for b in (None, 64)]
+for t in threads:
+    t.start()
+    time.sleep(0.1)
+for t in threads:
+    t.join()
+_internals.LlamaModel.__init__ = init
+print("loaded", len(made), "hook", _internals.LlamaModel is real, file=sys.stderr)
+print("fd1", os.readlink("/proc/self/fd/1") != "/dev/null", "fd2", os.readlink("/proc/self/fd/2") != "/dev/null")
+"""
+    proc = _run(script)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "loaded 2 hook True" in proc.stderr and "fd1 True fd2 True" in proc.stdout, (proc.stdout, proc.stderr)
+
+
+def test_a_closed_engine_raises_a_value_error_not_an_attribute_error(fixture_model):
+    e = Engine(fixture_model, EngineConfig(n_ctx=256, n_threads=1))
+    e.decode([1, 2, 3])
+    e.close()
+    e.close()  # twice: nothing more to free
+    for call in (lambda: e.decode([1]), lambda: e.tokenize("x"), e.kv_bytes, e.live_positions):
+        with pytest.raises(ValueError, match="this engine was closed"):
+            call()
