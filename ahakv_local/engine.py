@@ -533,7 +533,10 @@ class Engine:
     # -- KV cache ----------------------------------------------------------------------------------
 
     def n_cells(self, layer: int | None = None) -> int:
-        return self.native.n_cells(self.ctx, self.base_layer if layer is None else layer)
+        n = self.native.n_cells(self.ctx, self.base_layer if layer is None else layer)
+        if n < 0:  # (llama.cpp's -1 for a layer it does not have: "negative dimensions are not allowed" further on)
+            raise ValueError(f"layer {layer} is not one of the model's {self.n_layer}")
+        return n
 
     @property
     def caches(self) -> list[Cache]:
@@ -554,7 +557,10 @@ class Engine:
 
     def n_used(self, layer: int | None = None) -> int:
         """Cells in use in the cache ``layer`` reads (default: the base cache)."""
-        return self.native.n_used(self.ctx, self.base_layer if layer is None else layer)
+        n = self.native.n_used(self.ctx, self.base_layer if layer is None else layer)
+        if n < 0:
+            raise ValueError(f"layer {layer} is not one of the model's {self.n_layer}")
+        return n
 
     def kv_bytes(self, cache: Cache | None = None) -> int:
         """Bytes of the K and V buffers: of every cache, or of one (0 for a cache the context does not have)."""
@@ -683,6 +689,8 @@ class Engine:
 
     def stat(self, kind: str, layer: int) -> LayerStat:
         """A statistic by position: the live positions of the layer's cache, ascending, and their values."""
+        if kind not in STAT_KINDS.values():  # (an AttributeError: undefined symbol llama_ahakv_get_<kind>)
+            raise ValueError(f"kind must be one of {', '.join(STAT_KINDS.values())}, not {kind!r}")
         positions, cells = self._live_cells(layer)
         return LayerStat(positions, self.stat_by_cell(kind, layer)[:, cells])
 

@@ -209,3 +209,15 @@ def test_a_closed_engine_raises_a_value_error_not_an_attribute_error(fixture_mod
     for call in (lambda: e.decode([1]), lambda: e.tokenize("x"), e.kv_bytes, e.live_positions):
         with pytest.raises(ValueError, match="this engine was closed"):
             call()
+
+
+def test_a_layer_or_statistic_the_model_has_not_is_named(fixture_model):
+    """Layer 99 was "negative dimensions are not allowed" (llama.cpp's -1 cells), n_used(-3) returned -1, and an
+    unknown statistic an AttributeError on an undefined native symbol."""
+    with Engine(fixture_model, EngineConfig(n_ctx=256, n_threads=1)) as e:
+        e.decode([1, 2, 3])
+        for call in (lambda: e.stat("attn", 99), lambda: e.n_used(-3), lambda: e.cell_positions(99)):
+            with pytest.raises(ValueError, match=rf"layer -?\d+ is not one of the model's {e.n_layer}"):
+                call()
+        with pytest.raises(ValueError, match="kind must be one of attn, side, verr, vnorm, not 'bogus'"):
+            e.stat("bogus", 0)

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from ahakv_local.errors import AhakvError
 from ahakv_local.policies import POLICIES, Observation, make_policy
 from ahakv_local.policies.ahakv import head_median
 from ahakv_local.policies.base import avg_pool
@@ -276,3 +277,15 @@ def test_ahakv_head_median_is_numpys_median(n):
     rng = np.random.default_rng(n)
     dist = rng.lognormal(0.0, 1.0, (2, 4, n))
     np.testing.assert_array_equal(head_median(dist), np.median(dist, axis=2, keepdims=True))
+
+
+def test_a_setting_of_the_wrong_kind_is_refused_by_name():
+    """{"error_model": "maybe"} ran as a true value; 1.5 query rows as a window of 1.5. Numbers of numpy's are
+    numbers, and a whole number is a float's value too."""
+    with pytest.raises(AhakvError, match="policy ahakv's error_model must be of type bool, not 'maybe'"):
+        make_policy("ahakv", error_model="maybe")
+    with pytest.raises(AhakvError, match="policy ahakv's r must be of type int, not 1.5"):
+        make_policy("ahakv", r=1.5)
+    with pytest.raises(AhakvError, match="policy ahakv's weight_smoothing must be of type float, not True"):
+        make_policy("ahakv", weight_smoothing=True)
+    assert make_policy("ahakv", r=np.int64(16), weight_smoothing=1).r == 16

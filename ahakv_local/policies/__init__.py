@@ -6,6 +6,9 @@ base.py); the controller evicts the lowest scores outside the protected tokens.
 
 from __future__ import annotations
 
+import dataclasses
+from numbers import Integral, Real
+
 from ..errors import AhakvError
 from .ahakv import AhaKV
 from .base import Observation, Policy, holistic_sum
@@ -27,13 +30,26 @@ def query_readers() -> str:
     return ", ".join(name for name, cls in POLICIES.items() if cls.reads_with_query)
 
 
+KINDS = {  # a setting's annotated type -> what it takes (numpy's numbers too; a bool is no number here)
+    "bool": lambda v: isinstance(v, bool),
+    "int": lambda v: isinstance(v, Integral) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, Real) and not isinstance(v, bool),
+}
+
+
 def make_policy(name: str, **params) -> Policy:
     """A fresh policy by registry name, e.g. make_policy("ahakv", error_model=False)."""
     try:
         cls = POLICIES[name]
     except KeyError:
         raise AhakvError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
-    return cls(**params)
+    policy = cls(**params)
+    # a setting of the wrong kind ran on as whatever it was truthy as ({"error_model": "maybe"} was taken)
+    for f in dataclasses.fields(policy):
+        ok = KINDS.get(str(f.type))
+        if f.name in params and ok is not None and not ok(value := getattr(policy, f.name)):
+            raise AhakvError(f"policy {name}'s {f.name} must be of type {f.type}, not {value!r}")
+    return policy
 
 
 __all__ = ["POLICIES", "Observation", "Policy", "holistic_sum", "make_policy", "query_readers"]
