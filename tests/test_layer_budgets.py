@@ -69,9 +69,15 @@ def test_a_byte_budget_round_trips(text, n, spelled):
     assert budget.evicts and budget.target(4096) is None  # cells only once laid out on a model
 
 
-@pytest.mark.parametrize("text", ["0MiB", "0.5B", "-1KiB", "lotsMiB", "1.0000001KiB", "infGiB"])
+@pytest.mark.parametrize("text", ["0MiB", "0.5B", "-1KiB", "1.0000001KiB", "infGiB"])
 def test_bad_byte_budgets_are_refused(text):
     with pytest.raises(AhakvError, match="whole number of bytes"):
+        Budget.parse(text)
+
+
+@pytest.mark.parametrize("text", ["lotsMiB", "1TiB", "16MB"])
+def test_a_byte_budget_without_a_number_and_a_unit_it_knows_names_the_units(text):
+    with pytest.raises(AhakvError, match="a budget in bytes is a number and one of GiB, MiB, KiB, B, like 16MiB"):
         Budget.parse(text)
 
 
