@@ -177,6 +177,8 @@ def check_policy(policy: Policy, budget: Budget, cells: int, reach: int) -> None
             f"policy {policy.name} keeps every token: these caches hold {cells} cells, not the "
             f"{reach} positions the context reaches (open it without a budget for the full cache)"
         )
+    if not policy.evicts and budget.evicts:  # (a ratio's caches reach every position: accepted, never held, 351/106)
+        raise AhakvError(f"policy {policy.name} keeps every token: a budget needs a policy that evicts")
     if budget.mode == "auto" and not policy.supports_auto_budget:
         raise AhakvError(f"an auto budget needs a policy with an error model (ahakv), not {policy.name}")
 
@@ -617,8 +619,8 @@ class KVController:
             raise AhakvError(f"policy {self.policy.name} keeps every token: a budget needs a policy that evicts")
         lay_out = resize and self._lays_out(budget)
         planned = self._resize_to
-        if lay_out:  # checked against the caches it will have (``_sizes``), not those of now
-            self._resize_to = tuple(self.allocation(budget).cache_cells)
+        if lay_out:  # checked against the caches it will have (``_sizes``), not those of now, with its own period
+            self._resize_to = tuple(self.allocation(budget, every=self._period_for(budget)).cache_cells)
         try:
             self._take_budget(budget)
         except AhakvError:
@@ -646,7 +648,7 @@ class KVController:
             return True
         if self.shares is None or budget.mode != "cells" or self.fits(budget):  # (a smaller one: at the next re-split)
             return False
-        cells = self.allocation(budget).cache_cells
+        cells = self.allocation(budget, every=self._period_for(budget)).cache_cells
         needs = sum(cells[c] * e.cell_bytes(c) for c in e.caches)
         return needs <= max(self.opened_bytes, e.kv_bytes())
 
@@ -663,7 +665,7 @@ class KVController:
         they are laid out for the restored budget again, which is checked against them (against the shrunk caches,
         the server's own budget did not fit, and every later request ran at the request's)."""
         if self.shares is not None:
-            self.schedule_resize(tuple(self.allocation(budget).cache_cells))
+            self.schedule_resize(tuple(self.allocation(budget, every=self._period_for(budget)).cache_cells))
         self.configure(budget, policy)
 
     def _take_budget(self, budget: Budget, policy: Policy | None = None) -> None:

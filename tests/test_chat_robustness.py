@@ -1072,3 +1072,24 @@ def test_retained_mass_is_kept_for_a_layer_whose_statistics_hold_no_attention(tm
         assert kv.stats.retained_mass == before
     finally:
         s.llm.close()
+
+
+@pytest.mark.parametrize("layout", ["natural", "adaptive"])
+def test_a_byte_budget_for_a_policy_without_a_question_is_laid_out_with_its_own_eviction_period(tmp_path, layout):
+    """/budget in bytes planned the caches with the eviction period in force and checked them with the new budget's:
+    a sliding cache holds its window plus the period, so for a policy that keeps no question's room (H2O) every byte
+    budget was refused ("budget 48 KiB does not fit the 111 allocated cells"), smaller or larger, though a chat opened
+    at it runs."""
+    path = fixture_path(FixtureSpec(arch="gemma3"))  # 2 layers: 48 KiB hold a 64-token chunk and more
+    llm = Llama(str(path), kv_budget=128, kv_policy="h2o", kv_layer_budgets=layout, n_batch=64, verbose=False)
+    try:
+        s = ChatSession(llm, None, max_tokens=4, temperature=0.0)
+        talk(s, "hello there")
+        for size in ("48KiB", "150KiB"):
+            assert s.set_budget(size).startswith(f"budget: {size[:-3]} KiB")
+            assert llm.kv_engine.kv_bytes() <= Budget.parse(size).value
+            talk(s, "and the weather tomorrow in the hills")
+            for g in llm.kv_controller.groups:
+                np.testing.assert_array_equal(g.live, g.read_live(llm.kv_engine))
+    finally:
+        llm.close()

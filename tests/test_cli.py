@@ -262,6 +262,8 @@ def test_info_without_a_sliding_window_has_one_baseline(fixture_model):
         # the policy's own refusals, which info had no owner to ask (it stated 4,096 and 165 cells)
         (["--budget", "auto", "--policy", "h2o"], {}, r"error: an auto budget needs a policy with an error model"),
         (["--budget", "100", "--policy", "full"], {}, r"error: policy full keeps every token: these caches hold 165"),
+        # a ratio's caches reach every position: it was taken, and never held ("cache 351/106 cells")
+        (["--budget", "0.3", "--policy", "full"], {}, r"error: policy full keeps every token: a budget needs a policy"),
         # a reading no question guides with this policy (info stated an allocation for it)
         (
             ["--budget", "100", "--policy", "h2o", "--reading", "reconstruct"],
