@@ -350,11 +350,11 @@ def evaluate(
     stored, seconds included)."""
     if not 1 <= step <= n_ubatch:
         raise ValueError(f"step must be between 1 and n_ubatch ({n_ubatch})")
-    if not 1 <= prefix < len(tokens) - 1:  # (nothing to score: "need at least one array to concatenate")
-        raise ValueError(f"prefix must be from 1 to two tokens short of the {len(tokens)} tokens, not {prefix}")
     labels = [spec.label for spec in specs]
     if FULL.label in labels or len(set(labels)) != len(labels):
         raise ValueError(f"configuration labels must be unique and not {FULL.label!r}: {labels}")
+    if not 1 <= prefix < len(tokens) - 1:  # (nothing to score: "need at least one array to concatenate")
+        raise ValueError(f"prefix must be from 1 to two tokens short of the {len(tokens)} tokens, not {prefix}")
     check_floors(model, len(tokens), specs, n_ubatch, step)
     runs = [FULL, *specs]
     total = len(tokens) * len(runs)
