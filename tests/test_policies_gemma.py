@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ahakv_local.budget import Budget
+from ahakv_local.budget import NO_EVICTION, Budget
 from ahakv_local.controller import ControllerConfig, KVController
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.native import TapFlag
@@ -124,7 +124,8 @@ def test_every_policy_end_to_end(gemma_model, tokens, name):
     budget, n_tokens, prompt = 128, 1024, 256
     config = EngineConfig(n_ctx=1280 if name == "full" else 512, n_batch=64, n_ubatch=64, n_gpu_layers=GPU)
     with Engine(gemma_model, config) as e:
-        c = KVController(e, make_policy(name), ControllerConfig(Budget.parse(budget)))
+        held = NO_EVICTION if name == "full" else Budget.parse(budget)  # (the full cache takes no budget)
+        c = KVController(e, make_policy(name), ControllerConfig(held))
         toks = tokens[:n_tokens]
         nll = []
 
