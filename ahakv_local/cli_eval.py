@@ -300,7 +300,7 @@ def eval_ppl(
     from .session import SessionSpec
 
     names = _policies(policies)  # the user's own mistakes before the model is read
-    for given in (budgets, ablations_at or "1"):  # their grammar now; their cells once the text's length is known
+    for given in filter(None, (budgets, ablations_at)):  # their grammar now; their cells once the text's length is
         _cells(given, 1, 1)
     layouts = _layer_budgets(layer_budgets)
     evict_every, observe_steps = parse_schedule(evict_every, observe_steps)

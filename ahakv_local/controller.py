@@ -587,9 +587,10 @@ class KVController:
     def _check_budget(self, budget: Budget, policy: Policy) -> None:
         # past the trained context nothing is ever evicted (chat's /budget 64GiB was taken, the open refused it)
         check_trained_context(budget, self.engine.n_ctx_train)
-        check_held_past_trained(budget, self.allocation(budget), self.engine.n_ctx_train)
+        allocation = self.allocation(budget)  # (once: the held cells and the floor are both checked on it)
+        check_held_past_trained(budget, allocation, self.engine.n_ctx_train)
         check_policy(policy, budget, self._full_cache_cells(), self.reach)
-        self.check_floor(budget)
+        check_floor(self.config, self.engine.cache_layout(), allocation, budget)
         if policy.evicts and (short := self._short_cache(budget)) is not None:
             label = int(budget.value) if budget.mode == "cells" else budget
             raise AhakvError(

@@ -533,8 +533,12 @@ class Engine:
     # -- KV cache ----------------------------------------------------------------------------------
 
     def n_cells(self, layer: int | None = None) -> int:
-        n = self.native.n_cells(self.ctx, self.base_layer if layer is None else layer)
-        if n < 0:  # (llama.cpp's -1 for a layer it does not have: "negative dimensions are not allowed" further on)
+        return self._of_layer(self.native.n_cells(self.ctx, self.base_layer if layer is None else layer), layer)
+
+    def _of_layer(self, n: int, layer: int | None) -> int:
+        """A native count of ``layer``'s cache, or a ValueError where it is llama.cpp's -1 for a layer the model has
+        not ("negative dimensions are not allowed" further on, or a -1 passed on as a count)."""
+        if n < 0:
             raise ValueError(f"layer {layer} is not one of the model's {self.n_layer}")
         return n
 
@@ -557,10 +561,7 @@ class Engine:
 
     def n_used(self, layer: int | None = None) -> int:
         """Cells in use in the cache ``layer`` reads (default: the base cache)."""
-        n = self.native.n_used(self.ctx, self.base_layer if layer is None else layer)
-        if n < 0:
-            raise ValueError(f"layer {layer} is not one of the model's {self.n_layer}")
-        return n
+        return self._of_layer(self.native.n_used(self.ctx, self.base_layer if layer is None else layer), layer)
 
     def kv_bytes(self, cache: Cache | None = None) -> int:
         """Bytes of the K and V buffers: of every cache, or of one (0 for a cache the context does not have)."""

@@ -53,14 +53,14 @@ FIGURES = ("ppl_vs_budget.png", "accuracy.png", "long_run.png")
 TABLES = ("results.json", "results.csv", "results.md")
 
 
-def _ours(results: Path) -> bool:
-    """Whether ``results`` is a results.json a report of ours wrote (its config has our provenance, or names the figure
-    it wrote)."""
+def _report_config(out: Path) -> dict | None:
+    """The config of the report of ours in ``out`` (its results.json's config has our provenance, or names the figure
+    it wrote); None where there is none, or the results.json is someone else's."""
     try:
-        config = json.loads(results.read_text())["config"]
-        return "patch_sha256" in config or "figure" in config
+        config = json.loads((out / "results.json").read_text())["config"]
     except (OSError, ValueError, KeyError, TypeError):
-        return False
+        return None
+    return config if isinstance(config, dict) and ("patch_sha256" in config or "figure" in config) else None
 
 
 def check_outputs(out: Path, figure: str | None = None, inputs: tuple[str, ...] = ()) -> None:
@@ -76,7 +76,7 @@ def check_outputs(out: Path, figure: str | None = None, inputs: tuple[str, ...] 
     for given in inputs:
         if Path(given).resolve() in written:
             raise AhakvError(f"{given} is an input of this run and a file its report writes: give another --out")
-    if not _ours(out / "results.json"):
+    if _report_config(out) is None:
         theirs = [name for name in names if (out / name).exists()]
         if theirs:
             raise AhakvError(
@@ -88,13 +88,12 @@ def _figures_before(out: Path) -> tuple[str, ...]:
     """The figures the report already in ``out`` may have written: the one its results.json names; every one for a
     report of ours from before results.json named it (its config has our provenance, no "figure"); none for a folder
     without a report of ours (a file of the user's of the same name stays)."""
-    try:
-        config = json.loads((out / "results.json").read_text())["config"]
-        if "figure" not in config:
-            return FIGURES if "patch_sha256" in config else ()
-        named = config["figure"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    config = _report_config(out)
+    if config is None:
         return ()
+    if "figure" not in config:
+        return FIGURES
+    named = config["figure"]
     return (named,) if named in FIGURES else ()
 
 

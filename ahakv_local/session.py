@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from numbers import Integral
 from pathlib import Path
 
 import numpy as np
@@ -48,15 +47,10 @@ from .controller import (
 from .engine import Engine, EngineConfig, kv_type_config
 from .errors import AhakvError
 from .info import check_kv_cache_type, check_kv_types, read_info, reading_headers_once
-from .policies import Policy, make_policy
+from .policies import KINDS, Policy, make_policy
 
 # what the reconstruction pass reads behind each chunk before the chunk itself again (KVzip's repeat prompt)
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
-
-
-def whole(v: object) -> bool:
-    """An int (a numpy one too), not a bool."""
-    return isinstance(v, Integral) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -87,6 +81,7 @@ class SessionSpec:
     def __post_init__(self) -> None:
         policy = self.make_policy()  # an unknown policy or parameter fails here, before any model loads
         # the drop-in's kv_sinks/kv_recent/kv_evict_every/... come here as given: "x" or 1.5 failed deep in numpy
+        whole = KINDS["int"]
         for name in ("n_sink", "n_recent", "evict_every", "observe_steps"):
             v = getattr(self, name)
             if not (v is None and name in ("evict_every", "observe_steps")) and not whole(v):
