@@ -19,6 +19,7 @@ from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.errors import AhakvError, EngineNotPatched
 
 import device
+from numerics import F32
 
 pytestmark = pytest.mark.device
 
@@ -149,12 +150,15 @@ with Engine({str(fixture_model)!r}, EngineConfig(n_ctx=200, n_threads=1)) as e:
     print("batch", e.config.n_batch)
 with Engine({str(fixture_model)!r}, EngineConfig(n_ctx=200, n_batch=64, n_threads=1)) as e:
     ref = e.decode(tokens)
-print("equal", bool(np.allclose(small, ref, rtol=1e-4, atol=1e-4)))
+print("diff", float(np.abs(small - ref).max()), "scale", float(np.abs(ref).max()))
 """
     proc = _run(script)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    # (the same tokens in other batches: llama.cpp's kernels take other paths, the same values to F32 rounding)
-    assert "batch 200" in proc.stdout and "equal True" in proc.stdout, proc.stdout
+    assert "batch 200" in proc.stdout, proc.stdout
+    diff, scale = (float(w) for w in proc.stdout.split()[-3::2])
+    # the same tokens in other batches, on the CPU: each run within FORWARD_RTOL's bound of the exact logits, whose
+    # reductions here run over up to 240 positions (numerics.py assumes 128): 16 * 256 * F32 of the largest entry each
+    assert diff <= 2 * 16 * 256 * F32 * scale, (diff, scale)
 
 
 def test_a_thread_count_past_ggml_s_most_is_refused_before_the_first_decode(fixture_model):
