@@ -8,13 +8,16 @@ STAMP  := $(VENV)/.ahakv-installed
 
 .PHONY: setup demo test bench lint
 
+# a .venv whose interpreter no longer runs (its Python removed, the checkout moved) is made again: the stamp and
+# `test -x` said it was there
 $(STAMP): pyproject.toml
-	@test -n "$(VIRTUAL_ENV)" || test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -n "$(VIRTUAL_ENV)" || $(PY) -c '' 2>/dev/null || $(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'   # dev = every extra (build, serve, eval) + the test tools
 	@touch $@
 
 setup: $(STAMP)
+	@$(PY) -c 'import ahakv_local' 2>/dev/null || { rm -f $(STAMP); $(MAKE) --no-print-directory $(STAMP); }
 	$(VENV)/bin/ahakv-local build --rpc   # RPC is a superset: the tests of the workers run too
 
 demo: setup

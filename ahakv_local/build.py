@@ -12,6 +12,7 @@ on a fresh environment with a cached wheel it only installs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -20,10 +21,14 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
+import threading
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +47,10 @@ BASE_CMAKE_ARGS = ("-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_COMMON=OFF")
 # with this model's Q4_K weights (ggml_backend_amx_mul_mat, llama.cpp#20824, closed unfixed): leave them out.
 # gcc and clang drop __AMX_INT8__ for an explicit -mno-amx-int8 whatever -march says, so the AVX-512/VNNI
 # paths stay; the CPU_REPACK buffer then takes the weights, as on any AVX2 machine.
-NO_AMX_CMAKE_ARGS = ("-DCMAKE_C_FLAGS=-mno-amx-int8", "-DCMAKE_CXX_FLAGS=-mno-amx-int8")
+NO_AMX_FLAG = "-mno-amx-int8"
+NO_AMX_CMAKE_ARGS = (f"-DCMAKE_C_FLAGS={NO_AMX_FLAG}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAG}")
+# the environment's flags, which CMake reads only where CMAKE_<LANG>_FLAGS is not given (NO_AMX_CMAKE_ARGS gives it)
+FLAGS_ENV = {"CMAKE_C_FLAGS": "CFLAGS", "CMAKE_CXX_FLAGS": "CXXFLAGS"}
 MARKER = "ahakv_build.json"  # written next to the installed llama_cpp package
 
 
@@ -219,12 +227,28 @@ def plan(
             args += shlex.split(text)
         except ValueError as exc:  # "No closing quotation", "No escaped character"
             raise AhakvError(f"{where} {text!r}: {str(exc).lower()}") from None
+    if leaves_out_amx():
+        args += _keep_amx_out(tuple(args))
     if _last_value(tuple(args), "CMAKE_INSTALL_PREFIX") is not None:  # (scikit-build-core drops it: the wheel's)
         raise AhakvError("-DCMAKE_INSTALL_PREFIX cannot be set: the engine is installed as a wheel into this Python")
     patches = tuple(sorted(patch_dir().glob("*.patch")))
     if not patches:
         raise AhakvError(f"no patches found in {patch_dir()}")
     return BuildPlan(tuple(args), patches)
+
+
+def _keep_amx_out(args: tuple[str, ...]) -> list[str]:
+    """The C and C++ flags again, last (CMake takes the last), where the user's own would drop NO_AMX_FLAG: a
+    -DCMAKE_C_FLAGS=-O3 of --cmake-args or $CMAKE_ARGS replaced it, and NO_AMX_CMAKE_ARGS made CMake ignore $CFLAGS
+    and $CXXFLAGS. Nothing where the user sets neither (the plan, and so the cache key, stay as they were)."""
+    extra = []
+    for name, env in FLAGS_ENV.items():
+        value = _last_value(args, name)
+        if value == NO_AMX_FLAG:  # ours: the user's environment may still carry flags of its own
+            value = os.environ.get(env, "").strip() or None
+        if value is not None and NO_AMX_FLAG not in value.split():
+            extra.append(f"-D{name}={value} {NO_AMX_FLAG}")
+    return extra
 
 
 def patch_dir() -> Path:
@@ -238,14 +262,65 @@ def log(msg: str) -> None:
 
 
 def run(cmd: list[str], cwd: Path | None = None, env: dict | None = None, log_file: Path | None = None) -> None:
-    """Run a command; on failure raise with the tail of its output (full log kept in log_file)."""
-    proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if log_file:
-        log_file.write_text(proc.stdout)
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
-        where = f" (full log: {log_file})" if log_file else ""
-        raise AhakvError(f"{' '.join(cmd[:4])} ... failed{where}:\n{tail}")
+    """Run a command; on failure raise with its first error line and the tail of its output (the whole output is
+    written to ``log_file`` as it comes, so a long compile can be followed there). The command runs in a process
+    group of its own, stopped with it when this process is interrupted or terminated (a compile went on, orphaned,
+    writing into the cache the next build unpacks)."""
+    with tempfile.TemporaryFile("w+") if log_file is None else open(log_file, "w+") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            with _terminate_as_interrupt():
+                returncode = proc.wait()
+        except BaseException:
+            _stop_group(proc)
+            raise
+        if returncode == 0:
+            return
+        out.seek(0)
+        lines = out.read().strip().splitlines()
+    where = f" (full log: {log_file})" if log_file else ""
+    first = next((ln.strip() for ln in lines if FIRST_ERROR.search(ln)), None)
+    cause = f": {first}" if first else ""
+    tail = "\n".join(lines[-15:])
+    raise AhakvError(f"{' '.join(cmd[:4])} ... failed{cause}{where}:\n{tail}")
+
+
+# the line that says why a build failed, above pip's and CMake's summaries at its end: "CMake Error at ...",
+# a compiler's "file.c:1:2: error: ...", pip's "ERROR: ..."
+FIRST_ERROR = re.compile(r"CMake Error|(^|\s|:)(fatal )?error:|^ERROR:", re.IGNORECASE)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt here (its default ends Python at once, with no chance to stop the child)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Stop the command and everything it started (pip -> cmake -> ninja -> the compilers)."""
+    if not hasattr(os, "killpg"):  # (Windows: no process groups of this kind)
+        proc.kill()
+        proc.wait()
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 # -- steps -------------------------------------------------------------------------------------------
@@ -332,6 +407,7 @@ def build_wheel(tree: Path, build_dir: Path, out: Path, cmake_args: tuple[str, .
             "-m",
             "pip",
             "wheel",
+            "-v",  # the compile's own output in the log
             "--no-deps",
             "--no-build-isolation",
             "-w",
@@ -397,20 +473,19 @@ def ensure_engine(
     vulkan: bool = False,
     rpc: bool = False,
 ) -> str:
-    """Make the patched engine for these flags the installed one; return what was done. An installed RPC
-    engine of the same flags serves a build without --rpc too (it is a superset) and is kept."""
+    """Make the patched engine for these flags the installed one; return what was done. An installed or cached
+    RPC engine of the same flags serves a build without --rpc too (it is a superset)."""
     bp = plan(cuda, metal, cmake_args, vulkan=vulkan, rpc=rpc)
+    if metal and sys.platform != "darwin":
+        raise AhakvError("--metal builds only on macOS (Metal is Apple's): on this machine, --cuda or --vulkan")
+    superset = None if rpc else plan(cuda, metal, cmake_args, vulkan=vulkan, rpc=True)
     installed = installed_key()
     if not force and installed == bp.key:
         return f"engine up to date (key {bp.key})"
-    if not force and not rpc and installed == plan(cuda, metal, cmake_args, vulkan=vulkan, rpc=True).key:
+    if not force and superset is not None and installed == superset.key:
         return f"engine up to date (key {installed}, with RPC)"
-
-    wheel_dir = cache_dir() / "wheels" / bp.key
-    cached = sorted(wheel_dir.glob("*.whl"))
-    if cached and not force:
-        install(cached[-1], bp)
-        return f"installed cached engine {cached[-1].name} (key {bp.key})"
+    if not force and (done := _install_cached(bp, superset)):
+        return done
 
     if vulkan and (missing := missing_vulkan_packages(bp.cmake_args)):
         raise AhakvError(
@@ -420,6 +495,7 @@ def ensure_engine(
     require("build")  # before the download: pip reads the sdist's metadata with scikit-build-core
     start = time.monotonic()
     work = cache_dir() / "work" / bp.flags_key
+    wheel_dir = cache_dir() / "wheels" / bp.key
     for folder in (cache_dir() / "sdist", work, wheel_dir):  # before the download, not after the compile
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -428,12 +504,64 @@ def ensure_engine(
                 f"cannot write the engine cache {folder} ({exc.strerror or exc}): "
                 "set AHAKV_CACHE_DIR to a writable folder"
             ) from None
-    sdist = fetch_sdist()
-    tree = unpack(sdist, work / "src")
-    apply_patches(tree, bp.patches)
-    wheel = build_wheel(tree, work / "build", work / "dist", bp.cmake_args)
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    final = wheel_dir / wheel.name
-    shutil.move(wheel, final)
-    install(final, bp)
+    with _build_lock(work):
+        if not force and (done := _install_cached(bp, superset)):
+            return done  # another process built it while this one waited
+        sdist = fetch_sdist()
+        try:
+            tree = unpack(sdist, work / "src")
+            apply_patches(tree, bp.patches)
+            wheel = build_wheel(tree, work / "build", work / "dist", bp.cmake_args)
+        except BaseException:
+            # the patched sources (~200 MB) are unpacked anew by every build; the build folder is kept (a retry
+            # compiles only what changed), and so is the log it names
+            shutil.rmtree(work / "src", ignore_errors=True)
+            with contextlib.suppress(OSError):
+                wheel_dir.rmdir()  # (empty: nothing was built under this key)
+            raise
+        final = wheel_dir / wheel.name
+        shutil.move(wheel, final)
+        install(final, bp)
     return f"built and installed {final.name} in {time.monotonic() - start:.0f} s (key {bp.key})"
+
+
+def _install_cached(bp: BuildPlan, superset: BuildPlan | None) -> str | None:
+    """Install the cached wheel of ``bp`` (or of its RPC ``superset``) if there is a sound one; a damaged one (a
+    copy cut short, a disk that filled up) is removed so that it is built again. None: none to install."""
+    for plan_ in filter(None, (bp, superset)):
+        for wheel in sorted((cache_dir() / "wheels" / plan_.key).glob("*.whl"), reverse=True):
+            if not wheel_is_sound(wheel):
+                log(f"the cached engine {wheel} is damaged: removed, building it again")
+                wheel.unlink(missing_ok=True)
+                continue
+            install(wheel, plan_)
+            rpc = ", with RPC" if plan_ is superset else ""
+            return f"installed cached engine {wheel.name} (key {plan_.key}{rpc})"
+    return None
+
+
+def wheel_is_sound(wheel: Path) -> bool:
+    """Whether a wheel reads whole: a zip whose every member matches its CRC."""
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            return z.testzip() is None
+    except (OSError, zipfile.BadZipFile, EOFError):
+        return False
+
+
+@contextlib.contextmanager
+def _build_lock(work: Path):
+    """One build of a set of flags at a time, across processes sharing the cache (two CI jobs, two environments):
+    both unpacked into one source folder, and one deleted what the other compiled."""
+    try:
+        import fcntl
+    except ImportError:  # (Windows)
+        yield
+        return
+    with open(work.parent / f"{work.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another build of these flags ({work})")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

@@ -290,3 +290,176 @@ def test_a_build_without_its_extra_is_one_line_before_the_download(tmp_path, mon
     monkeypatch.setattr(build, "fetch_sdist", lambda: pytest.fail("went on to the download"))
     with pytest.raises(AhakvError, match=r"needs the 'build' extra .*pip install 'ahakv-local\[build\]'"):
         build.ensure_engine(force=True)
+
+
+@pytest.mark.skipif(not build.leaves_out_amx(), reason="the AMX flag is added on x86-64 only")
+def test_the_user_s_own_c_flags_keep_the_amx_kernels_out(monkeypatch):
+    """-DCMAKE_C_FLAGS=-O3 replaced the plan's -mno-amx-int8 (CMake takes the last value) and brought back the kernels
+    that crash on Sapphire Rapids; and the plan's own value made CMake ignore $CFLAGS and $CXXFLAGS."""
+    for var in ("CMAKE_ARGS", "CFLAGS", "CXXFLAGS"):
+        monkeypatch.delenv(var, raising=False)
+    plain = build.plan()
+    assert plain.cmake_args == build.BASE_CMAKE_ARGS + build.NO_AMX_CMAKE_ARGS  # unchanged: the cache key stays
+    user = build.plan(cmake_args="-DCMAKE_C_FLAGS=-O3")
+    assert build._last_value(user.cmake_args, "CMAKE_C_FLAGS") == "-O3 -mno-amx-int8"
+    assert build._last_value(user.cmake_args, "CMAKE_CXX_FLAGS") == "-mno-amx-int8"
+    monkeypatch.setenv("CFLAGS", "-O2 -g")
+    monkeypatch.setenv("CXXFLAGS", "-O1")
+    env = build.plan()
+    assert build._last_value(env.cmake_args, "CMAKE_C_FLAGS") == "-O2 -g -mno-amx-int8"
+    assert build._last_value(env.cmake_args, "CMAKE_CXX_FLAGS") == "-O1 -mno-amx-int8"
+    assert len({plain.key, user.key, env.key}) == 3  # what the library is compiled with names its wheel
+    # a value that already leaves AMX out is taken as it is (the plan a quoted value makes, tested above)
+    kept = build.plan(cmake_args='-DCMAKE_C_FLAGS="-mno-amx-int8 -march=haswell"')
+    assert build._last_value(kept.cmake_args, "CMAKE_C_FLAGS") == "-mno-amx-int8 -march=haswell"
+
+
+def test_a_failed_command_names_its_first_error_and_its_log_fills_as_it_runs(tmp_path):
+    """The error showed the last 15 lines of pip's output, a summary without the cause (the CMake Error 70 lines
+    above); the log the build names was written only when the command ended."""
+    log, script_file = tmp_path / "build.log", tmp_path / "compile.py"
+    script_file.write_text(
+        "import sys, time\n"
+        "print('-- configuring', flush=True)\n"
+        "time.sleep(0.2)\n"
+        "seen = 'configuring' in open(sys.argv[1]).read()\n"
+        "print('CMake Error at ggml/CMakeLists.txt:178 (target_link_libraries):')\n"
+        "print('\\n'.join(f'noise {i}' for i in range(40)))\n"
+        "sys.exit(1 if seen else 3)\n"
+    )
+    with pytest.raises(AhakvError) as err:
+        build.run([sys.executable, str(script_file), str(log)], log_file=log)
+    first = str(err.value).splitlines()[0]
+    assert first.endswith(f"failed: CMake Error at ggml/CMakeLists.txt:178 (target_link_libraries): (full log: {log}):")
+    assert "noise 39" in str(err.value) and log.read_text().count("noise") == 40
+    build.run([sys.executable, "-c", "print('fine')"])  # a command that succeeds raises nothing, without a log too
+
+
+def test_a_terminated_build_stops_the_compile_it_started(tmp_path):
+    """SIGTERM ended ahakv-local and left pip -> cmake -> ninja running, orphaned, writing into the cache."""
+    import signal
+    import time
+
+    pid_file = tmp_path / "pid"
+    code = (
+        "from pathlib import Path; from ahakv_local import build; "
+        f"build.run(['sh', '-c', 'sleep 300 & echo $! > {pid_file}; wait'], log_file=Path({str(tmp_path / 'log')!r}))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text().strip()):
+        assert time.monotonic() < deadline and proc.poll() is None, "the command never started"
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) != 0 and "KeyboardInterrupt" in proc.stderr.read()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(grandchild, signal.SIGKILL)
+    pytest.fail("the command's own child outlived the build")
+
+
+def _valid_wheel(path):
+    import zipfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("llama_cpp/__init__.py", "")
+    return path
+
+
+def test_a_damaged_cached_wheel_is_built_again_and_a_cached_rpc_wheel_serves_a_plain_build(tmp_path, monkeypatch):
+    """A wheel cut short in the cache was installed again at every build (pip: "is invalid"), and nothing said how
+    to get out; a plain build compiled from scratch beside a cached RPC wheel of the same flags, its superset."""
+    monkeypatch.setenv("AHAKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    monkeypatch.setattr(build, "installed_key", lambda: None)
+    installed = []
+    monkeypatch.setattr(build, "install", lambda wheel, bp: installed.append((wheel, bp.key)))
+
+    class Compiling(Exception):
+        pass
+
+    def compile_(*a, **k):
+        raise Compiling
+
+    monkeypatch.setattr(build, "fetch_sdist", compile_)
+    wheel_name = f"{build.SDIST_NAME}-{build.SDIST_VERSION}-py3-none-linux_x86_64.whl"
+    damaged = tmp_path / "wheels" / build.plan().key / wheel_name
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"PK\x03\x04 cut short")
+    with pytest.raises(Compiling):
+        build.ensure_engine()
+    assert not damaged.exists() and not installed
+    superset = _valid_wheel(tmp_path / "wheels" / build.plan(rpc=True).key / wheel_name)
+    assert build.ensure_engine().endswith("with RPC)")
+    assert installed == [(superset, build.plan(rpc=True).key)]
+    with pytest.raises(Compiling):  # --force builds anew
+        build.ensure_engine(force=True)
+
+
+def test_a_failed_build_leaves_no_sources_and_no_empty_wheel_folder(tmp_path, monkeypatch):
+    """Each failed set of flags left its patched sources (~200 MB) and an empty wheel folder in the cache."""
+    monkeypatch.setenv("AHAKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    monkeypatch.setattr(build, "installed_key", lambda: None)
+    monkeypatch.setattr(build, "fetch_sdist", lambda: tmp_path / "sdist.tar.gz")
+
+    def unpack(sdist, dest):
+        (dest / "tree").mkdir(parents=True)
+        return dest / "tree"
+
+    monkeypatch.setattr(build, "unpack", unpack)
+    monkeypatch.setattr(build, "apply_patches", lambda tree, patches: None)
+
+    def failing_compile(tree, build_dir, out, cmake_args):
+        build_dir.mkdir(parents=True)
+        raise AhakvError("the compile failed")
+
+    monkeypatch.setattr(build, "build_wheel", failing_compile)
+    bp = build.plan(cmake_args="-DGGML_NATIVE=OFF")
+    with pytest.raises(AhakvError, match="the compile failed"):
+        build.ensure_engine(cmake_args="-DGGML_NATIVE=OFF")
+    work = tmp_path / "work" / bp.flags_key
+    assert not (work / "src").exists() and (work / "build").is_dir()  # the build folder stays: a retry is quicker
+    assert not (tmp_path / "wheels" / bp.key).exists()
+
+
+def test_two_builds_of_the_same_flags_take_turns(tmp_path, capsys):
+    """Two builds sharing a cache unpacked into one source folder: one deleted what the other compiled
+    ("Directory not empty", a patch that "does not apply")."""
+    import time
+
+    work = tmp_path / "work" / "flags"
+    work.mkdir(parents=True)
+    code = (
+        "import sys, time; from pathlib import Path; from ahakv_local import build\n"
+        f"with build._build_lock(Path({str(work)!r})):\n"
+        "    print('locked', flush=True); time.sleep(1.5); print('unlocking', flush=True)\n"
+    )
+    other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert other.stdout.readline().strip() == "locked"
+    t0 = time.monotonic()
+    with build._build_lock(work):
+        waited = time.monotonic() - t0
+        assert other.stdout.readline().strip() == "unlocking"  # said before it let go: this one waited for it
+    other.wait()
+    assert waited > 0.5 and "waiting for another build of these flags" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="Metal builds on macOS")
+def test_metal_off_macos_is_one_line_before_anything_is_fetched(monkeypatch):
+    from click.testing import CliRunner
+
+    from ahakv_local.cli import main
+
+    monkeypatch.setattr(build, "fetch_sdist", lambda: pytest.fail("went on to the download"))
+    result = CliRunner().invoke(main, ["build", "--metal", "--force"])
+    assert result.exit_code == 1 and result.output.strip().splitlines() == [
+        "error: --metal builds only on macOS (Metal is Apple's): on this machine, --cuda or --vulkan"
+    ], result.output
