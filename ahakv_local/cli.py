@@ -5,7 +5,10 @@ User mistakes end in one line on stderr and a non-zero exit, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
+import os
 import sys
 
 import click
@@ -26,7 +29,7 @@ from .cli_eval import (
 from .errors import AhakvError
 from .extras import require
 from .info import KV_CACHE_TYPES
-from .native import MAX_THREADS
+from .native import BUILD_HINT, MAX_THREADS
 from .textfile import read_stream, read_text, typed_text
 
 ROOMS = {"query": "a question's room", "reconstruct": "a reconstruction pass's room"}  # what info says a reading holds
@@ -34,7 +37,8 @@ BUDGETED_BATCH = 64  # prompt tokens per decode call under a budget: the cache s
 
 
 class Group(click.Group):
-    """Turns AhakvError into ``error: ...`` and exit code 1, a bad option into one line and exit code 2."""
+    """Turns AhakvError (and an engine not installed yet) into ``error: ...`` and exit code 1, a bad option into one
+    line and exit code 2."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -46,9 +50,41 @@ class Group(click.Group):
             hint = f" (see {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
             click.echo(f"error: {exc.format_message()}{hint}", err=True)
             sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
+        except KeyboardInterrupt:  # on a line of its own in a terminal (an answer or a progress bar may be open there)
+            click.echo("\ninterrupted" if sys.stderr.isatty() else "interrupted", err=True)
             sys.exit(130)
+        except ModuleNotFoundError as exc:  # a command importing the engine's bindings (chat, serve, eval) before build
+            if (exc.name or "").partition(".")[0] != "llama_cpp":
+                raise
+            click.echo(f"error: llama-cpp-python is not installed; {BUILD_HINT}", err=True)
+            sys.exit(1)
+
+    def main(self, *args, **kwargs):
+        try:  # (around click's own main: --help and --version write to standard output before any command runs)
+            return super().main(*args, **kwargs)
+        except OSError as exc:  # a full disk, a folder that cannot be written, stdout on /dev/full: the machine's
+            if isinstance(exc, BrokenPipeError):  # (a closed pipe: a quiet exit 1, as click's own)
+                sys.exit(1)
+            click.echo(f"error: {os_error_text(exc)}", err=True)
+            sys.exit(1)
+
+
+def os_error_text(exc: OSError) -> str:
+    """What failed, in one line: the file and the reason where the error names it; a write to a file already open (a
+    results file, standard output on /dev/full) names none. Standard output that cannot take what is still buffered
+    is given up: Python's own last flush at exit would print the error again, as an "Exception ignored" block."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    reason = exc.strerror or str(exc)
+    if exc.filename is not None:
+        return f"{exc.filename}: {reason}"
+    return f"cannot write: {reason}" if exc.errno in WRITE_ERRORS else reason
+
+
+WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
 
 
 class FiniteRange(click.FloatRange):
@@ -408,9 +444,12 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
     if query is not None:
         query = argument_text(query, "--query")
     if prompt is None:
-        if prompt_file == "-" or (not prompt_file and not sys.stdin.isatty()):  # "-": the usual name of stdin
+        stdin = sys.stdin  # None where it was closed (`<&-`)
+        if prompt_file == "-" or (not prompt_file and stdin is not None and not stdin.isatty()):  # "-": stdin's name
             source = "standard input"
-            prompt = read_stream(sys.stdin.buffer, source)
+            if stdin is None:
+                raise AhakvError("standard input is closed: give the prompt with -p or --file")
+            prompt = read_stream(stdin.buffer, source)
         elif prompt_file:
             source = prompt_file
             prompt = read_text(prompt_file)
@@ -591,7 +630,8 @@ def serve(model, host, port, max_tokens_limit, parallel, **engine) -> None:
         llm = load_llama(model, **engine)
         path = llm.model_path
         app = create_app(llm, model_name=llm.model_path.rsplit("/", 1)[-1], max_tokens_limit=max_tokens_limit)
-    click.echo(f"serving {path} on http://{host}:{port}/v1", err=True)
+    shown = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed in a URL
+    click.echo(f"serving {path} on http://{shown}:{port}/v1", err=True)
     run_server(app, sock)
 
 

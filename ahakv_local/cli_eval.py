@@ -219,7 +219,6 @@ def _lengths_and_depths(lengths: str, depths: str) -> tuple[list[int], list[floa
 @click.group("eval")
 def eval_group() -> None:
     """Measure what a budget costs in quality on your own model and text."""
-    require("eval")
 
 
 @eval_group.command("ppl")
@@ -289,6 +288,7 @@ def eval_ppl(
 ) -> None:  # fmt: skip
     """Streaming perplexity, KL from the full cache and top-1 agreement per policy and budget; for a model with a
     sliding-window cache also llama.cpp's own baseline, every position kept in a trimmed sliding cache."""
+    require("eval")  # here, not in the group: --help needs no extra
     from .evaluation import TRIMMED, check_floors, evaluate, text_tokens
     from .info import read_info
     from .policies.ahakv import ABLATIONS
@@ -383,6 +383,7 @@ def eval_needle(
     model, filler_file, lengths, depths, budgets, policies, trials, seed, sinks, recent, out_dir, rpc, threads
 ) -> None:
     """Passkey retrieval: a number hidden in filler text at several lengths and depths, per policy."""
+    require("eval")  # here, not in the group: --help needs no extra
     from .needle import ANSWER_TOKENS as NEEDLE_ANSWER_TOKENS
     from .needle import run_needle
     from .report import write_needle_report
@@ -488,6 +489,7 @@ def eval_longdoc(
 ) -> None:  # fmt: skip
     """Long documents (RULER-style, generated locally): retrieval, multi-key, multi-value, variable tracking
     and a fact, per policy, compression and reading mode, beside the full cache."""
+    require("eval")  # here, not in the group: --help needs no extra
     from .longdoc import ANSWER_TOKENS, TASKS, default_filler_files, parse_compressions, run_longdoc, specs_rule
     from .report import write_longdoc_report
 
@@ -560,7 +562,6 @@ def eval_longdoc(
 @click.group("bench")
 def bench_group() -> None:
     """Measure what a budget buys in speed and memory."""
-    require("eval")
 
 
 @bench_group.command("speed")
@@ -652,6 +653,7 @@ def bench_speed(
     """Decode and prompt tokens/s: plain llama-cpp-python (swa_full, its default), plain llama.cpp with the
     sliding-window cache trimmed (swa_full off, as llama-server) and each policy at the same live cells; a long
     run to the trained context, full cache vs budget; KV memory of each, also at --memory-context tokens."""
+    require("eval")  # here, not in the group: --help needs no extra
     from .bench import BATCH, SpeedSetup, engine_speed_at_budget, long_run, memory_at, speed_at_budget
     from .budget import parse_schedule
     from .evaluation import text_tokens

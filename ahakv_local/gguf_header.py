@@ -106,6 +106,9 @@ class _Cursor:
 def read_header(path: str | Path) -> GGUFHeader:
     """The GGUF header of ``path`` up to the end of its metadata; an AhakvError for anything else."""
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():  # (a folder: open's own error, below)
+        # a named pipe blocked open() for good (the drop-in's model_path; the CLI checks it first)
+        raise AhakvError(f"not a model file: {path} is a pipe or a device")
     try:
         with path.open("rb") as f:
             if f.read(4) != b"GGUF":

@@ -181,7 +181,36 @@ def _architecture(kv: dict[str, Value], path: Path) -> str:
         counts = kv.get(f"{arch}.{key}")
         if isinstance(counts, tuple) and len(set(counts)) > 1:
             raise AhakvError(f"{path.name} has a different {key} per layer, which ahakv-local does not support")
+    _check_shape(kv, arch, path)
     return arch
+
+
+LLAMA_MAX_LAYERS = 512  # llama.cpp's own bound (llama-hparams.h): past it, or at 0, the load aborts the process
+# the counts a model's shape needs, and the most each may be: (key, required, at most)
+SHAPE_COUNTS = (
+    ("block_count", True, LLAMA_MAX_LAYERS),
+    ("embedding_length", True, None),
+    ("context_length", True, None),
+    ("attention.head_count", True, None),
+    ("attention.head_count_kv", False, None),
+)
+
+
+def _check_shape(kv: dict[str, Value], arch: str, path: Path) -> None:
+    """Refuse, in one line, a header whose counts no model has: a block_count of 2**31 made ``info`` build tuples of
+    that length until the machine ran out of memory, one of 0 or past 512 aborted llama.cpp's load silently, and a
+    head count of 0 divided by zero."""
+    for key, required, most in SHAPE_COUNTS:
+        value = kv.get(f"{arch}.{key}")
+        values = value if isinstance(value, tuple) and value else (value,)
+        if value is None and not required:
+            continue
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values) or (
+            most is not None and max(values) > most
+        ):
+            shown = "missing" if value is None else repr(value if len(repr(value)) <= 40 else values[0])
+            bound = f"1 to {most}" if most else "at least 1"
+            raise AhakvError(f"{path.name} is not a model ahakv-local can load: {arch}.{key} is {shown}, not {bound}")
 
 
 def check_architecture(path: str | Path) -> str:
@@ -240,7 +269,8 @@ def _read_info(path: Path) -> ModelInfo:
     name = kv.get("general.name")
     return ModelInfo(
         path=path,
-        name=name if isinstance(name, str) else path.stem,
+        # the file's own text: printed by info, so its control characters (a newline, a terminal's escapes) are shown
+        name=printable(name) if isinstance(name, str) else path.stem,
         architecture=arch,
         n_layer=n_layer,
         n_head=n_head,
@@ -254,6 +284,12 @@ def _read_info(path: Path) -> ModelInfo:
         layer_sliding=sliding,
         data_bytes=header.data_end,
     )
+
+
+def printable(text: str, most: int = 200) -> str:
+    """``text`` with its control characters written as escapes (``\\n``, ``\\x1b``), at most ``most`` characters."""
+    shown = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text[:most])
+    return shown + ("..." if len(text) > most else "")
 
 
 def _swa_layers(pattern: Value | None, default: int, n_layer: int) -> tuple[bool, ...]:

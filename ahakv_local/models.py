@@ -48,9 +48,8 @@ def default_model_path(progress: bool = False) -> Path:
     stamp = target.with_suffix(".ok")
     chunks = pkg.chunk_paths()
     size = sum(p.stat().st_size for p in chunks if p.exists())
-    if target.exists() and stamp.exists() and target.stat().st_size == size:
-        if json.loads(stamp.read_text()).get("sha256") == pkg.EXPECTED_SHA256:
-            return target
+    if target.exists() and target.stat().st_size == size and _stamped(stamp) == pkg.EXPECTED_SHA256:
+        return target
 
     if progress:
         # stderr: stdout is the command's output (`$(ahakv-local model-path)`, `generate > answer.txt`)
@@ -77,11 +76,30 @@ def default_model_path(progress: bool = False) -> Path:
     return target
 
 
+def _stamped(stamp: Path) -> str | None:
+    """The sha256 a stamp says the assembled model has; None where there is none to read (missing, cut short, not
+    ours): the model is then assembled again, as on first use."""
+    try:
+        said = json.loads(stamp.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        return None
+    return said.get("sha256") if isinstance(said, dict) else None
+
+
 def _new_file(beside: Path) -> Path:
-    """A new empty file of this call's own, hidden, in ``beside``'s folder (renamed over ``beside`` when written)."""
+    """A new empty file of this call's own, hidden, in ``beside``'s folder (renamed over ``beside`` when written),
+    readable as a file ``open`` makes (mkstemp's are the owner's alone: another user of a shared cache could not
+    read the model or its stamp)."""
     fd, name = tempfile.mkstemp(prefix=f".{beside.name}.", suffix=".part", dir=beside.parent)
     os.close(fd)
+    os.chmod(name, 0o666 & ~_umask())
     return Path(name)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # (the only way to read it is to set it)
+    os.umask(mask)
+    return mask
 
 
 def fixture_path(spec: FixtureSpec | None = None) -> Path:
@@ -109,7 +127,11 @@ def resolve_model(model: str | None, progress: bool = False) -> Path:
         raise AhakvError(f"{path} is a folder, not a model file (give the .gguf inside it)")
     if not path.is_file():
         raise AhakvError(f"model file not found: {path}")
-    with path.open("rb") as f:
-        if f.read(4) != b"GGUF":
-            raise AhakvError(f"not a GGUF file: {path}")
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:  # no permission, an I/O error
+        raise AhakvError(f"cannot read the model file {path}: {exc.strerror or exc}") from None
+    if magic != b"GGUF":
+        raise AhakvError(f"not a GGUF file: {path}")
     return path

@@ -5,13 +5,21 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .errors import AhakvError
+
 
 def cache_dir() -> Path:
     """``$AHAKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/ahakv-local``, else ``~/.cache/ahakv-local``."""
     if env := os.environ.get("AHAKV_CACHE_DIR"):
         return Path(env).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "ahakv-local"
+    if xdg:
+        return Path(xdg).expanduser() / "ahakv-local"
+    try:
+        home = Path.home()
+    except RuntimeError:  # no $HOME and a user without a passwd entry (a container run with --user)
+        raise AhakvError("no home folder to keep the cache in: set AHAKV_CACHE_DIR (or HOME)") from None
+    return home / ".cache" / "ahakv-local"
 
 
 def project_root() -> Path:

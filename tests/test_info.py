@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import struct
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -146,6 +149,8 @@ def test_corrupted_headers_never_raise_anything_else(fixture_model, tmp_path, da
 def write_model(path, arch: str, head_count: int | list[int] = 4, endian=gguf.GGUFEndian.LITTLE) -> None:
     w = gguf.GGUFWriter(str(path), arch, endianess=endian)
     w.add_block_count(2)
+    w.add_embedding_length(16)
+    w.add_context_length(64)
     w.add_head_count(head_count)
     w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
     w.write_header_to_file()
@@ -207,3 +212,67 @@ def test_the_drop_in_reads_the_header_once_and_a_rewritten_file_again(fixture_mo
     assert read_info(path).architecture == "llama"
     path.write_bytes(fixture_path(FixtureSpec(arch="gemma3")).read_bytes())
     assert read_info(path).architecture == "gemma3"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "shown"),
+    [
+        ("block_count", 2**31, "2147483648, not 1 to 512"),  # info built tuples this long: out of memory
+        ("block_count", 0, "0, not 1 to 512"),  # llama.cpp's load aborted, silently (GGML_ASSERT)
+        ("block_count", 600, "600, not 1 to 512"),
+        ("attention.head_count", 0, "0, not at least 1"),  # a ZeroDivisionError in info
+        ("attention.head_count_kv", 0, "0, not at least 1"),
+        ("embedding_length", None, "missing, not at least 1"),
+        ("context_length", "long", "'long', not at least 1"),
+    ],
+)
+def test_a_header_with_counts_no_model_has_is_one_line(tmp_path, fixture_model, key, value, shown):
+    """A GGUF whose counts no model has, refused before anything is built from them or loaded, by every reader."""
+    from ahakv_local.gguf_header import read_header
+
+    kv = dict(read_header(fixture_model).kv)
+    arch = kv["general.architecture"]
+    kv.pop(f"{arch}.{key}", None)
+    path = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    for k, v in kv.items():
+        if k.startswith(f"{arch}.") and isinstance(v, int) and not isinstance(v, bool):
+            w.add_uint32(k, v)
+    if isinstance(value, int):
+        w.add_uint32(f"{arch}.{key}", value)
+    elif value is not None:
+        w.add_string(f"{arch}.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    message = rf"^odd\.gguf is not a model ahakv-local can load: {arch}\.{re.escape(key)} is {re.escape(shown)}$"
+    with pytest.raises(AhakvError, match=message):
+        check_architecture(path)
+    with pytest.raises(AhakvError, match=message):
+        read_info(path)
+    proc = subprocess.run([sys.executable, "-m", "ahakv_local", "info", str(path)], capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and re.match("^error: " + message[1:], lines[0]), proc.stderr
+
+
+def test_a_model_s_name_is_printed_with_its_control_characters_escaped(tmp_path, fixture_model):
+    """``info`` printed general.name as the file says it: a newline or a terminal's escape sequences reached the
+    terminal."""
+    from ahakv_local.gguf_header import read_header
+
+    kv = dict(read_header(fixture_model).kv)
+    arch = kv["general.architecture"]
+    path = tmp_path / "named.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    for k, v in kv.items():
+        if k.startswith(f"{arch}.") and isinstance(v, int) and not isinstance(v, bool):
+            w.add_uint32(k, v)
+    w.add_name("evil\nmodel \x1b[31mred\x1b[0m")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert read_info(path).name == "evil\\nmodel \\x1b[31mred\\x1b[0m"
