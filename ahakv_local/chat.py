@@ -101,6 +101,7 @@ class ChatSession:
         does not make every later turn fail."""
         self.messages.append({"role": "user", "content": text})
         self.llm.reset_timings()
+        self.llm.should_stop = stop  # a long message is read in chunks: a first Ctrl-C stops between two of them
         reply: list[str] | None = []
         try:
             stream = self.llm.create_chat_completion(
@@ -120,15 +121,26 @@ class ChatSession:
                 if stop():
                     stream.close()  # between two decodes: the cache and the history stay consistent
                     break
+        except Stopped:
+            if "".join(reply):  # stopped just before the next token's decode: an answer stopped like any other
+                return "".join(reply)
+            self.messages.pop()  # stopped while the message was read: taken back, as if never sent
+            reply = None
+            raise
         except (AhakvError, ValueError):
             if not "".join(reply):
                 self.messages.pop()  # nothing was answered: the conversation is as before this message
                 reply = None
             raise
         finally:
+            self.llm.should_stop = lambda: False
             if reply is not None:  # what was said stays, also when a second Ctrl-C ends the chat
                 self.messages.append({"role": "assistant", "content": "".join(reply)})
         return "".join(reply)
+
+    def fits_alone(self, text: str) -> bool:
+        """Whether ``text`` alone fits the model's trained context (else no conversation could take it)."""
+        return len(self.llm.tokenize(text.encode("utf-8"), add_bos=False)) < self.llm.n_ctx()
 
     def stats_line(self) -> str:
         s = self.llm.kv_stats()
@@ -260,6 +272,8 @@ def read_message(prompt: str) -> Typed:
     """One message: lines ending in a backslash continue; a \"\"\" line opens and closes a block. The input's end
     inside a block or after a backslash ends the message there (what was typed is sent, not dropped); prompts are
     shown to a terminal only (``chat < questions > answers`` keeps them out of the answers)."""
+    if sys.stdin is None:  # closed (`<&-`): as the input's end
+        raise EOFError
     more = "... " if sys.stdin.isatty() else ""
     first = input(prompt if more else "")
     if first.strip() == '"""':
@@ -281,10 +295,12 @@ def setup_history() -> None:
         import readline
     except ImportError:  # no readline (Windows): plain input
         return
-    history = cache_dir() / "chat_history"
     try:
+        history = cache_dir() / "chat_history"
         history.parent.mkdir(parents=True, exist_ok=True)
         readline.read_history_file(history)
+    except AhakvError:  # no cache folder at all (no home): the chat goes on without a history
+        return
     except OSError:  # none yet, or a cache folder that cannot hold one: the chat goes on without it
         pass
     readline.set_history_length(1000)
@@ -309,16 +325,26 @@ def keep_transcript(session: ChatSession) -> None:
     """Every conversation is written out on exit, so quitting never loses one."""
     if not any(m["role"] == "user" for m in session.messages):
         return
-    folder = cache_dir() / "chats"
     text = session.transcript()
     stamp = time.strftime("chat-%Y%m%d-%H%M%S")
+    try:
+        folder = cache_dir() / "chats"
+    except AhakvError as exc:
+        click.echo(f"error: cannot keep the conversation: {exc}; here it is:", err=True)
+        click.echo(text, err=True)
+        return
     try:
         folder.mkdir(parents=True, exist_ok=True)
         for n in itertools.count(1):  # two chats ending in the same second each keep their own file
             path = folder / (f"{stamp}.json" if n == 1 else f"{stamp}-{n}.json")
             try:
                 with path.open("x", encoding="utf-8") as f:
-                    f.write(text)
+                    try:
+                        f.write(text)
+                        f.flush()
+                    except OSError:
+                        path.unlink(missing_ok=True)  # an empty file named like a transcript (a full disk) misleads
+                        raise
                 break
             except FileExistsError:
                 continue
@@ -374,14 +400,20 @@ def _repl(session: ChatSession) -> None:
         # the first Ctrl-C stops the answer, a second one exits; to the stats line, so that one landing as the answer
         # ends is a first one too (it quit the chat there)
         with StopOnInterrupt() as stop:
+            stopped = "[answer stopped]"
             try:
                 session.answer(text, out, stop)
+            except Stopped:
+                stopped = "[stopped while reading the message: not sent]"
             except (AhakvError, ValueError) as exc:  # e.g. the trained context is full
-                click.echo(f"\nerror: {exc}", err=True)
+                # positions never shift: a conversation that reached the model's trained context goes no further
+                full = "trained context" in str(exc) and session.llm.n_tokens > 0 and session.fits_alone(text)
+                hint = " (this conversation is as long as the model reads: /save it, then /reset)" if full else ""
+                click.echo(f"\nerror: {exc}{hint}", err=True)
             out.write("\n")
             out.flush()
             if stop():
-                click.echo("[answer stopped]", err=True)
+                click.echo(stopped, err=True)
                 interrupted = True
             click.echo(session.stats_line() + f" {time.perf_counter() - t0:.1f} s", err=True)
 

@@ -737,7 +737,7 @@ class KVController:
         current position (n > 0) nothing is forgotten: the steps the tap summed but nobody read yet stay."""
         if 0 < n == self.engine.n_past:
             return
-        if n < self.engine.n_past:
+        if n < self.engine.n_past or n == 0:  # a new sequence empties the cells whatever the count says (a reset)
             self.engine.truncate(n)
         self.engine.n_past = n
         self._forget_words(n)

@@ -386,9 +386,14 @@ class Llama(llama_cpp.Llama):
         if self.should_stop():
             raise Stopped
         if self._kv is None:
-            t0 = time.perf_counter()
-            super().eval(tokens)
-            self._count(len(tokens), time.perf_counter() - t0)
+            # upstream's eval decodes n_batch tokens at a time: the same calls, one by one, so that should_stop is
+            # asked between two of them here too (a long message was read to its end after a first Ctrl-C)
+            for start in range(0, len(tokens), self.n_batch):
+                if start and self.should_stop():
+                    raise Stopped
+                t0 = time.perf_counter()
+                super().eval(tokens[start : start + self.n_batch])
+                self._count(len(tokens[start : start + self.n_batch]), time.perf_counter() - t0)
             return
         if self.n_tokens + len(tokens) > self._n_ctx:
             raise ValueError(
@@ -537,13 +542,21 @@ class Llama(llama_cpp.Llama):
         _, ctx, _ = upstream.handles(self)
         with upstream.failures_said_by_caller():  # a refusal is this method's one error, not llama.cpp's lines too
             restored = llama_cpp.llama_state_set_data(ctx.ctx, buf, state.llama_state_size)
-        if restored != state.llama_state_size:
+        # the token list must end where the cache does (its newest position is never evicted): a state whose
+        # n_tokens said otherwise loaded, and every later decode failed ("inconsistent sequence positions")
+        newest = llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(ctx.ctx), 0)
+        mismatch = restored == state.llama_state_size and newest + 1 != state.n_tokens
+        if restored != state.llama_state_size or mismatch:
             # whatever llama.cpp restored is not a consistent cache: every cell goes (it left the per-layer caches
             # it had read, and from an empty sequence nothing else cleared them: every later decode failed)
             ctx.kv_cache_clear()
             self.reset()
             if backup is not None:
                 self.load_state(backup)
+            if mismatch:
+                raise ValueError(
+                    f"this state is damaged: its cache ends at position {newest}, its token list at {state.n_tokens}"
+                )
             if self._kv is None:  # llama_cpp.Llama's error (it leaves the sequence half-replaced, this one as it was)
                 raise RuntimeError("Failed to set llama state data")
             raise ValueError("llama.cpp refused this state (damaged, or saved with another model or settings)")

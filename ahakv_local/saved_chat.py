@@ -19,6 +19,7 @@ import os
 import stat
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,9 @@ def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None
         # mkstemp's file is private (0600): a new saved chat is as any file written, one replaced keeps its mode
         mode = stat.S_IMODE(path.stat().st_mode) if path.is_file() else 0o666 & ~_umask()
         # a new file of its own (a fixed "FILE.tmp" replaced a user's file of that name, or wrote through a link)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        # its name cut to fit the folder's limit with mkstemp's 8 characters and the dots (a legal name of 250
+        # characters was refused as "File name too long")
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:200]}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED) as z:
             z.writestr("chat.json", json.dumps(meta, ensure_ascii=False))
             z.writestr("state.bin", state.llama_state)
@@ -255,7 +258,18 @@ def _read(path: Path, state: bool = True, max_state: int | None = None) -> tuple
         raise AhakvError(f"no such file: {path}") from None
     except IsADirectoryError:
         raise AhakvError(f"{path} is a directory") from None
-    except (zipfile.BadZipFile, KeyError, UnicodeDecodeError, json.JSONDecodeError, OSError) as exc:
+    except (zipfile.BadZipFile, KeyError, EOFError, zlib.error) as exc:  # (zlib: data damaged on the disk)
+        raise AhakvError(
+            f"{path} is not a saved ahakv-local chat (damaged, or not one: {type(exc).__name__})"
+        ) from None
+    except OSError as exc:
+        raise AhakvError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except AhakvError:  # (a ValueError: ours, above, say it already)
+        raise
+    except (ValueError, RuntimeError, NotImplementedError, RecursionError) as exc:
+        # JSON that is not UTF-8 or not JSON, an integer of 5,000 digits, JSON nested past the recursion limit, an
+        # encrypted entry, a compression zipfile does not read: none is one of ours (they fell to chat's catch-all,
+        # "/load failed: RecursionError")
         raise AhakvError(f"{path} is not a saved ahakv-local chat ({exc.__class__.__name__})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise AhakvError(f"{path} is not a saved ahakv-local chat")

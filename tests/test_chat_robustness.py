@@ -3,6 +3,7 @@ the model's context, a closed terminal. Nothing may run, and no conversation may
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -21,6 +22,7 @@ from ahakv_local.budget import Budget
 from ahakv_local.chat import ChatSession, command, keep_transcript, kv_size
 from ahakv_local.errors import AhakvError
 from ahakv_local.fixture import FixtureSpec
+from ahakv_local.llama import Stopped
 from ahakv_local.models import fixture_path
 
 
@@ -1093,3 +1095,132 @@ def test_a_byte_budget_for_a_policy_without_a_question_is_laid_out_with_its_own_
                 np.testing.assert_array_equal(g.live, g.read_live(llm.kv_engine))
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("budget", [64, None], ids=["bounded", "full cache"])
+def test_a_first_ctrl_c_stops_the_reading_of_a_long_message(fixture_model, budget):
+    """The first Ctrl-C was seen only once a long message had been read to its end (32 s for 2,600 tokens on
+    Gemma 3 270M), and users then pressed a second one, which ends the chat. It now stops between two prompt chunks:
+    the message is taken back, the conversation is as before it, and the next one is answered."""
+    kw = dict(kv_budget=budget, kv_recent=8) if budget else dict(kv_policy="full", n_ctx=4096)
+    llm = Llama(str(fixture_model), n_batch=32, kv_reuse_compressed=True, verbose=False, **kw)
+    try:
+        s = ChatSession(llm, "You are terse.", max_tokens=6, temperature=0.0)
+        talk(s, "hello")
+        before, n_before = list(s.messages), llm.n_tokens
+        asked = []
+
+        def stop() -> bool:  # false when the reading starts, true after its first chunk: a Ctrl-C landing then
+            asked.append(llm.n_tokens)
+            return len(asked) > 1
+
+        long_message = "the quick brown fox jumps over the lazy dog " * 30  # ~1,100 fixture tokens: 35 chunks of 32
+        with pytest.raises(Stopped):
+            s.answer(long_message, io.StringIO(), stop)
+        assert len(asked) == 2 and n_before < asked[1] < n_before + 300  # stopped early in the message
+        assert s.messages == before and llm.should_stop() is False
+        assert talk(s, "and now?") is not None and s.messages[-2]["content"] == "and now?"
+        if budget:
+            kv = llm.kv_controller
+            assert all(np.array_equal(g.live, g.read_live(kv.engine)) for g in kv.groups)
+    finally:
+        llm.close()
+
+
+def test_damaged_saved_chats_and_long_names_are_lines_of_their_own(chat, tmp_path):
+    """A saved chat damaged on the disk (deflate data that does not decode), with JSON nested past the recursion
+    limit or a 5,000-digit number, an entry marked encrypted or compressed in a way zipfile does not read: each fell
+    to the chat's catch-all ("/load failed: RecursionError"), and /save over one did too. And /save refused a legal
+    name of 250 characters: its temporary file's name passed the folder's limit."""
+    import struct
+
+    talk(chat, "hello")
+    saved = tmp_path / "conv.chat"
+    command(chat, "/save", str(saved))
+    before = list(chat.messages)
+    data = saved.read_bytes()
+
+    def central(flag: int | None = None, method: int | None = None) -> bytes:  # chat.json's central directory entry
+        b = bytearray(data)
+        at = b.index(b"PK\x01\x02")
+        if flag is not None:
+            b[at + 8 : at + 10] = struct.pack("<H", flag)
+        if method is not None:
+            b[at + 10 : at + 12] = struct.pack("<H", method)
+        return bytes(b)
+
+    def with_meta(text: str) -> bytes:
+        path = tmp_path / "meta.zip"
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("chat.json", text)
+            z.writestr("state.bin", b"")
+        return path.read_bytes()
+
+    at = data.index(b"state.bin") + 40  # inside the deflated state
+    cases = {
+        "damaged": data[:at] + bytes(x ^ 0xFF for x in data[at : at + 60]) + data[at + 60 :],
+        "RecursionError": with_meta("[" * 100_000 + "]" * 100_000),
+        "ValueError": with_meta('{"format": ' + "9" * 5000 + "}"),
+        "RuntimeError": central(flag=1),  # "is encrypted, password required"
+        "NotImplementedError": central(method=99),  # "That compression method is not supported"
+    }
+    for what, content in cases.items():
+        path = tmp_path / f"{what}.chat"
+        path.write_bytes(content)
+        with pytest.raises(AhakvError, match=rf"^{re.escape(str(path))} is not a saved ahakv-local chat \(") as e:
+            command(chat, "/load", str(path))
+        assert what in str(e.value) and chat.messages == before
+        if what == "damaged":
+            continue  # its metadata reads: a saved chat, which /save may replace
+        with pytest.raises(AhakvError, match="exists and is not a saved chat: not replaced"):  # nor does /save
+            command(chat, "/save", str(path))
+        assert path.read_bytes() == content
+    long_name = tmp_path / ("n" * 245 + ".chat")  # 250 characters: a legal name
+    command(chat, "/save", str(long_name))
+    command(chat, "/load", str(long_name))
+    assert chat.messages == before and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    # a token list that does not end where the cache does (the chat's JSON edited): refused, the chat as it was
+    with zipfile.ZipFile(saved) as z:
+        meta, blob = json.loads(z.read("chat.json")), z.read("state.bin")
+    edited = tmp_path / "edited.chat"
+    with zipfile.ZipFile(edited, "w") as z:
+        z.writestr("chat.json", json.dumps({**meta, "n_tokens": 10, "input_ids": meta["input_ids"][:10]}))
+        z.writestr("state.bin", blob)
+    with pytest.raises(AhakvError, match="damaged: its cache ends at position"):
+        command(chat, "/load", str(edited))
+    assert chat.messages == before and talk(chat, "still there?") is not None
+
+
+def test_a_transcript_the_disk_cannot_take_leaves_no_empty_file(chat, tmp_path, monkeypatch, capsys):
+    """On a full disk the transcript was shown on the terminal, and an empty chat-*.json was left beside the others."""
+    import io
+
+    talk(chat, "hello")
+    monkeypatch.setenv("AHAKV_CACHE_DIR", str(tmp_path))
+    real_open = io.open  # (what Path.open calls)
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def opened(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return Full(f) if "x" in mode else f
+
+    monkeypatch.setattr(io, "open", opened)
+    keep_transcript(chat)
+    assert list((tmp_path / "chats").iterdir()) == []
+    err = capsys.readouterr().err
+    assert "cannot keep the conversation" in err and '"content": "hello"' in err

@@ -700,3 +700,37 @@ def test_a_reused_compressed_history_is_read_on_from_a_prefix_that_ends_among_ev
         for g in kv.groups:  # the cells and the bookkeeping agree, and the newest position is the last one read
             np.testing.assert_array_equal(g.live, g.read_live(e))
         assert int(kv.live[-1]) == e.n_past - 1 == llm.n_tokens - 1
+
+
+@pytest.mark.parametrize("budget", [64, None], ids=["bounded", "full cache"])
+@pytest.mark.parametrize("n_tokens", [0, 10])
+def test_a_state_whose_token_list_disagrees_with_its_cache_is_refused(fixture_model, budget, n_tokens):
+    """A state (a saved chat's JSON edited, or damaged) whose n_tokens did not end where its cache does loaded, and
+    every later decode failed ("inconsistent sequence positions"), /reset included: refused, the Llama as before."""
+    kw = dict(n_ctx=512, verbose=False) | (dict(kv_budget=budget, kv_recent=8) if budget else {})
+    with Llama(str(fixture_model), **kw) as a:
+        a("the quick brown fox jumps over the lazy dog " * 8, max_tokens=4, temperature=0)
+        state = a.save_state()
+    assert state.n_tokens > 60
+    with Llama(str(fixture_model), **kw) as b:
+        b("hello there", max_tokens=2, temperature=0)
+        expected = b("and then", max_tokens=4, temperature=0)["choices"][0]["text"]
+        before = b.n_tokens
+        state.n_tokens, state.input_ids = n_tokens, state.input_ids[:n_tokens]
+        with pytest.raises(ValueError, match=rf"damaged: its cache ends at position \d+, its token list at {n_tokens}"):
+            b.load_state(state)
+        assert b.n_tokens == before
+        assert b("and then", max_tokens=4, temperature=0)["choices"][0]["text"] == expected
+        b.reset()  # and a reset empties the cells whatever the count said
+        assert b("and then", max_tokens=4, temperature=0)["choices"][0]["text"] is not None
+
+
+def test_a_pipe_as_the_model_path_is_refused_at_once(tmp_path):
+    """The drop-in opened a named pipe given as its model and waited for a writer forever (the CLI checks first)."""
+    import os
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    code = f"from ahakv_local import Llama; Llama({str(fifo)!r}, kv_budget=64, verbose=False)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and f"not a model file: {fifo} is a pipe or a device" in proc.stderr
