@@ -26,6 +26,7 @@ from .session import SessionSpec, guide
 from .textfile import last_paragraph
 
 TOP_K = 40  # llama-cpp-python's default for completions
+RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: a seed drawn at random
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,11 @@ class Sampling:
     stop: tuple[str, ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    top_k: int = TOP_K  # 0: every token
+    min_p: float = 0.0  # keep the tokens at least this share of the likeliest's probability (at temperature 1)
 
     def pick(self, logits: np.ndarray, counts: Counter, rng: np.random.Generator) -> int:
-        """The next token: penalties, then greedy (temperature 0) or top-k / top-p / temperature sampling."""
+        """The next token: penalties, then greedy (temperature 0) or top-k / min-p / top-p / temperature sampling."""
         if counts and (self.presence_penalty or self.frequency_penalty):
             ids = np.fromiter(counts.keys(), dtype=np.int64)
             n = np.fromiter(counts.values(), dtype=np.float32)
@@ -47,15 +50,25 @@ class Sampling:
             logits[ids] -= self.presence_penalty + self.frequency_penalty * n
         if self.temperature == 0:
             return int(np.argmax(logits))
-        k = min(TOP_K, logits.size)
+        k = min(self.top_k or logits.size, logits.size)
         top = np.argpartition(-logits, k - 1)[:k]
         top = top[np.argsort(-logits[top], kind="stable")]
         z = logits[top].astype(np.float64)
+        if self.min_p > 0:  # p / p_max = exp(z - z_max), as llama.cpp's min-p sampler compares them
+            kept = int(np.count_nonzero(z >= z[0] + np.log(self.min_p)))
+            top, z = top[:kept], z[:kept]
         p = np.exp((z - z.max()) / self.temperature)  # shifted first: a tiny temperature divided to inf, then NaN
         p /= p.sum()
         keep = int(np.searchsorted(np.cumsum(p), self.top_p)) + 1
         p = p[:keep] / p[:keep].sum()
         return int(rng.choice(top[:keep], p=p))
+
+
+def stop_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """The length of the longest end of ``text`` that is the beginning of a stop string (0: none): what a stream holds
+    back until the next token says whether the stop string follows. (It held back the longest stop string's length
+    less one whatever the text: a chat's 10 characters, and its stream came in odd pieces.)"""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
 
 
 @dataclass
@@ -136,7 +149,9 @@ class SequencePool:
         ctl.restart_stats()  # the figures of this request
         self.active[seq] = gen
         self._counts[seq] = Counter()
-        self._rng[seq] = np.random.default_rng(gen.sampling.seed)
+        seed = gen.sampling.seed
+        # -1 (4294967295 as llama.cpp's uint32 seed, LLAMA_DEFAULT_SEED) asks for a random one, as the other server
+        self._rng[seq] = np.random.default_rng(None if seed == RANDOM_SEED else seed)
         self.served[seq] += 1
         try:
             for chunk, ends_prompt in ctl.prompt_pieces(gen.prompt, gen.guide, self.engine.config.n_batch):
@@ -185,12 +200,14 @@ class SequencePool:
         if cut >= 0:
             self._finish(seq, text[gen.sent : cut], "stop")
             return
-        if len(gen.tokens) >= gen.sampling.max_tokens:
+        # at max_tokens, or where prompt and tokens fill the trained context, as llama-cpp-python cuts max_tokens (past
+        # it, the batch's llama_decode failed, and every sequence in the batch with an error)
+        if len(gen.tokens) >= gen.sampling.max_tokens or self.controllers[seq].engine.n_past + 1 >= e.n_ctx_train:
             self._finish(seq, text[gen.sent :], "length")
             return
-        # hold back what could begin a stop string, and an unfinished UTF-8 character
-        hold = max((len(s) - 1 for s in gen.sampling.stop), default=0)
-        ready = len(text) - hold
+        # hold back what could begin a stop string (the text's longest end that begins one), and an unfinished UTF-8
+        # character
+        ready = len(text) - stop_prefix(text, gen.sampling.stop)
         while ready > gen.sent and text[ready - 1] == "\ufffd":
             ready -= 1
         if ready > gen.sent:

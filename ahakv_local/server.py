@@ -31,7 +31,10 @@ import ctypes
 import functools
 import json
 import logging
+import os
+import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -42,6 +45,7 @@ from typing import Any, Literal
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
@@ -74,6 +78,9 @@ NOT_SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "function_call": (lambda v: v in (None, "none", "auto"), "no function calls"),
     # a completion's (a chat's is a field: ChatRequest.response_format)
     "response_format": (lambda v: v is None or v == {"type": "text"}, "plain text, not a JSON format"),
+    # llama-cpp-python's own server takes these too
+    "grammar": (lambda v: not v, "no GBNF grammar (a chat's response_format samples a JSON schema)"),
+    "mirostat_mode": (lambda v: v in (None, 0), "no mirostat sampling"),
 }
 
 
@@ -82,7 +89,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk, before [DONE], with no choice and the request's token counts
 
 
-NULL_IS_DEFAULT = ("stream", "temperature", "top_p", "presence_penalty", "frequency_penalty")
+NULL_IS_DEFAULT = (
+    "stream", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p", "typical_p",
+    "repeat_penalty",
+)  # fmt: skip
 
 
 class KVFields(BaseModel):
@@ -104,6 +114,11 @@ class KVFields(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    # llama-cpp-python's sampling fields (its server takes them; they were accepted and ignored), at its defaults
+    top_k: int | None = Field(40, ge=0)  # 0: every token
+    min_p: float | None = Field(0.05, ge=0, le=1)
+    typical_p: float | None = Field(1.0, gt=0, le=1)
+    repeat_penalty: float | None = Field(1.0, gt=0)
     kv_budget: int | float | str | None = None
     kv_policy: str | None = None
     # the question a prompt longer than the budget is read with: text, true (chat: the last user message;
@@ -116,6 +131,12 @@ class KVFields(BaseModel):
         for name in NULL_IS_DEFAULT:
             if getattr(self, name) is None:
                 setattr(self, name, type(self).model_fields[name].default)
+        return self
+
+    @model_validator(mode="after")
+    def _usage_of_a_stream(self):
+        if self.stream_options is not None and not self.stream:  # as OpenAI answers it
+            raise ValueError("stream_options is only allowed with stream: true")
         return self
 
     @model_validator(mode="after")
@@ -337,6 +358,10 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
 
 
+# llama-cpp-python's sampling fields the --parallel sampler (parallel.Sampling) does not have, and their defaults
+PARALLEL_SAMPLES_NOT = {"typical_p": 1.0, "repeat_penalty": 1.0}
+
+
 def sampling_of(req: KVFields, limit: int) -> dict:
     """The sampling arguments of a request (``max_tokens`` 0, null or above ``limit`` is cut to it)."""
     kw = {
@@ -348,6 +373,10 @@ def sampling_of(req: KVFields, limit: int) -> dict:
         "seed": None if req.seed is None else req.seed & 0xFFFFFFFF,
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "typical_p": req.typical_p,
+        "repeat_penalty": req.repeat_penalty,
         "kv_query": req.kv_query,
     }
     return {k: v for k, v in kw.items() if v is not None}
@@ -611,6 +640,11 @@ class ParallelRunner:
                     "grammar (the one-at-a-time server has)"
                 )
             kw = sampling_of(req, self.max_tokens_limit)
+            for name, default in PARALLEL_SAMPLES_NOT.items():
+                if kw[name] != default:
+                    raise AhakvError(
+                        f"{name}={kw[name]} is not supported with --parallel (the one-at-a-time server takes it)"
+                    )
             stop = kw["stop"]
             tokens, chat_stop, read_with = prompt_of(
                 self.pool.engine, job.kind, job.payload, req.kv_query, self.default_query
@@ -627,6 +661,8 @@ class ParallelRunner:
                 stop=tuple(stop) + tuple(chat_stop),
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
+                top_k=req.top_k,
+                min_p=req.min_p,
             )
             reply = Reply(job, self.model_name, job.kind, len(tokens), req.stream, req.include_usage)
             gen = Generation(tokens, sampling, reply.emit, job.stopped, budget, req.kv_policy, read_with)
@@ -732,12 +768,20 @@ def create_app(
 
     app = FastAPI(title="ahakv-local", version="1", lifespan=lifespan)
     app.state.shutdown = runner.shutdown
+    # as llama-cpp-python's server: a browser app of another origin (a web chat UI on localhost:3000) may call it
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
         def describe(e: dict) -> str:
             if e["type"] == "json_invalid":
                 return f"the body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})"
+            # no body ("Field required"), or one not read as JSON (a form: "Input should be a valid dictionary")
+            if tuple(e["loc"]) == ("body",) and e["type"] in ("missing", "model_attributes_type", "dict_type"):
+                sent = request.headers.get("content-type") or "none"
+                if sent.split(";")[0].strip() == "application/json":
+                    return "the body must be a JSON object (a dictionary of the request's fields)"
+                return f"the body must be a JSON object, sent as Content-Type: application/json (it was {sent})"
             where = ".".join(str(p) for p in e["loc"] if p != "body")
             msg = e["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's own message
             return f"{where}: {msg}" if where else msg
@@ -756,12 +800,18 @@ def create_app(
     async def internal_error(request: Request, exc: Exception) -> Response:
         return error(500, f"internal error: {type(exc).__name__}")
 
-    @app.get("/v1/models")
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "ahakv-local"}
+
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     def models():
-        return {
-            "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "ahakv-local"}],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+    def model(model_id: str):  # the openai client's models.retrieve()
+        if model_id != model_name:
+            return error(404, f"the model {model_id!r} does not exist: this server serves {model_name!r}")
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -776,7 +826,7 @@ def create_app(
     def kv_stats():
         return runner.kv_stats()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: health checkers that send no GET)
     def health():
         return runner.health()
 
@@ -792,6 +842,12 @@ class Server(uvicorn.Server):
         self.stopping = stopping  # (uvicorn.Server has a shutdown method)
 
     def handle_exit(self, sig, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            # a second Ctrl-C: now. uvicorn's own forced exit cancelled the requests mid-way, each one a traceback in
+            # the log and a 500 to its client (while a prompt was read, which stops only between two chunks)
+            sys.stderr.write("interrupted\n")
+            sys.stderr.flush()
+            os._exit(130)
         self.stopping.set()
         super().handle_exit(sig, frame)
 

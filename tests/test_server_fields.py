@@ -1,0 +1,193 @@
+"""What an app written for llama-cpp-python's server sends, on both servers (one at a time, and ``--parallel``): its
+sampling fields are taken or refused by name, never ignored; a browser app of another origin may call it; HEAD health
+checks and the openai client's ``models.retrieve``; a sequence that reaches the trained context ends alone."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+
+import numpy as np
+import pytest
+import uvicorn
+from test_server import call, free_port
+
+from ahakv_local.engine import Engine, EngineConfig
+from ahakv_local.llama import Llama
+from ahakv_local.parallel import RANDOM_SEED, Generation, Sampling, SequencePool, stop_prefix
+from ahakv_local.server import create_app
+from ahakv_local.session import SessionSpec
+
+CHUNK = 16
+
+
+@contextlib.contextmanager
+def served(model, parallel: bool):
+    """The fixture served in this process, one request at a time or in two sequence slots; its base URL."""
+    with contextlib.ExitStack() as stack:
+        if parallel:
+            spec = SessionSpec.bounded("h2o", 48, n_recent=8, reading="plain")
+            e = stack.enter_context(Engine(model, EngineConfig(n_ctx=256, n_batch=CHUNK, n_ubatch=CHUNK, n_seq=2)))
+            llm = SequencePool(e, spec)
+        else:
+            llm = stack.enter_context(Llama(str(model), kv_budget=48, kv_policy="h2o", kv_recent=8, verbose=False))
+        port = free_port()
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(llm, "fixture"), host="127.0.0.1", port=port, log_level="error")
+        )
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["one at a time", "parallel"])
+def test_llama_cpp_python_s_sampling_fields_are_taken_or_refused_by_name(fixture_model, parallel):
+    """top_k, min_p, grammar... were accepted and ignored: `"top_k": 1` at temperature 1.5 answered something else
+    every time, and a grammar was dropped with a 200."""
+    with served(fixture_model, parallel) as base:
+        body = {"prompt": "the quick brown fox", "max_tokens": 6}
+        status, greedy = call(base, "/v1/completions", {**body, "temperature": 0})
+        assert status == 200
+        for seed in (1, 2, 3):  # top_k 1 is greedy at any temperature
+            status, out = call(base, "/v1/completions", {**body, "temperature": 1.5, "top_k": 1, "seed": seed})
+            assert status == 200 and out["choices"][0]["text"] == greedy["choices"][0]["text"], out
+        status, out = call(base, "/v1/completions", {**body, "temperature": 1.5, "min_p": 1.0, "seed": 4})
+        assert status == 200 and out["choices"][0]["text"] == greedy["choices"][0]["text"]  # min_p 1: the likeliest
+        for field, value, says in [
+            ("grammar", 'root ::= "yes" | "no"', "no GBNF grammar"),
+            ("mirostat_mode", 2, "no mirostat sampling"),
+            ("top_k", -1, "greater than or equal to 0"),
+        ]:
+            status, out = call(base, "/v1/completions", {**body, field: value})
+            assert status == 400 and field in out["error"]["message"] and says in out["error"]["message"], out
+        status, out = call(base, "/v1/completions", {**body, "repeat_penalty": 1.3, "typical_p": 1.0})
+        if parallel:  # its sampler has no repeat penalty: refused by name
+            assert status == 400 and out["error"]["message"].startswith("repeat_penalty=1.3 is not supported with")
+        else:
+            assert status == 200
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["one at a time", "parallel"])
+def test_a_browser_app_head_checks_and_models_retrieve(fixture_model, parallel):
+    with served(fixture_model, parallel) as base:
+        preflight = urllib.request.Request(
+            base + "/v1/chat/completions",
+            method="OPTIONS",
+            headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"},
+        )
+        with urllib.request.urlopen(preflight, timeout=10) as r:  # it was a 405: web chat UIs could not call it
+            assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] in ("*", "http://localhost:3000")
+        for path in ("/health", "/v1/models"):
+            with urllib.request.urlopen(urllib.request.Request(base + path, method="HEAD"), timeout=10) as r:
+                assert r.status == 200
+        assert call(base, "/v1/models/fixture") == (200, call(base, "/v1/models")[1]["data"][0])
+        status, out = call(base, "/v1/models/another")
+        assert status == 404 and "fixture" in out["error"]["message"]
+        status, out = call(base, "/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}})
+        assert status == 400 and "stream_options is only allowed with stream: true" in out["error"]["message"]
+
+
+def test_a_sequence_at_the_trained_context_ends_alone_with_length(fixture_model, license_text):
+    """A request whose prompt and max_tokens passed the trained context failed the batch's llama_decode, and the
+    server answered every request running beside it with that error. It now ends "length" where the one-at-a-time
+    server (llama-cpp-python) does: prompt + tokens = the trained context, the last one sampled, never decoded."""
+    spec = SessionSpec.bounded("h2o", 48, n_recent=8, reading="plain")
+    with Engine(fixture_model, EngineConfig(n_ctx=256, n_batch=64, n_ubatch=CHUNK, n_seq=2)) as e:
+        pool = SequencePool(e, spec)
+        words = e.tokenize(license_text * 4)
+        near = e.n_ctx_train - 5
+        assert len(words) > near
+        ends: dict[str, str] = {}
+        long = Generation(words[:near], Sampling(max_tokens=40, temperature=0), lambda t, f: f and ends.update(long=f))
+        short = Generation(words[:30], Sampling(max_tokens=12, temperature=0), lambda t, f: f and ends.update(short=f))
+        pool.start(long)
+        pool.start(short)
+        while pool.active:
+            pool.step()
+        assert ends == {"long": "length", "short": "length"}
+        assert len(long.tokens) == 5 and len(short.tokens) == 12
+
+
+def test_sampling_top_k_min_p_and_a_random_seed(fixture_model):
+    logits = np.array([5.0, 4.0, 0.0, -10.0], dtype=np.float32)
+    rng = np.random.default_rng(0)
+
+    def drawn(**kw) -> Counter:
+        s = Sampling(max_tokens=1, temperature=1.0, top_p=1.0, **kw)
+        return Counter(s.pick(logits, Counter(), rng) for _ in range(400))
+
+    assert set(drawn(top_k=1, min_p=0.0)) == {0}
+    assert set(drawn(top_k=0, min_p=0.5)) == {0}  # p1 / p0 = e^-1 = 0.37 < 0.5
+    assert set(drawn(top_k=0, min_p=0.3)) == {0, 1}
+    assert set(drawn(top_k=0, min_p=0.0)) == {0, 1, 2}  # p2 / p0 = e^-5: drawn in 400 at 0.67%
+    spec = SessionSpec.bounded("h2o", 48, n_recent=8, reading="plain")
+    with Engine(fixture_model, EngineConfig(n_ctx=256, n_batch=CHUNK, n_ubatch=CHUNK, n_seq=2)) as e:
+        pool = SequencePool(e, spec)
+
+        def state_of(seed) -> dict:
+            gen = Generation(e.tokenize("a few words"), Sampling(max_tokens=1, seed=seed), lambda t, f: None)
+            seq = pool.start(gen)
+            return pool._rng[seq].bit_generator.state
+
+        assert state_of(7) == state_of(7)
+        # -1 (a uint32 4294967295: llama.cpp's LLAMA_DEFAULT_SEED) is a seed drawn at random, as on the other server
+        assert state_of(RANDOM_SEED) != state_of(RANDOM_SEED)
+
+
+def test_a_stream_holds_back_only_what_may_begin_a_stop_string():
+    stops = ("\nAssistant:", "###")
+    assert stop_prefix("Hello there", stops) == 0  # it held 10 characters back whatever the text
+    assert stop_prefix("Hello\nAssis", stops) == 6
+    assert stop_prefix("Hello ##", stops) == 2
+    assert stop_prefix("\n", stops) == 1
+
+
+def test_a_second_ctrl_c_ends_the_server_at_once_without_tracebacks(monkeypatch, capsys):
+    """A second Ctrl-C while a prompt was read: uvicorn's forced exit cancelled the request mid-way, four tracebacks
+    in the log and a 500 to the client. It now ends the process at once, as "interrupted" (exit 130)."""
+    import os
+    import signal
+
+    from fastapi import FastAPI
+
+    from ahakv_local.server import Server
+
+    stopping = threading.Event()
+    server = Server(uvicorn.Config(FastAPI()), stopping)
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", exit_now)
+    server.handle_exit(signal.SIGINT, None)  # the first: a graceful stop, the generations told to end
+    assert server.should_exit and stopping.is_set() and not server.force_exit
+    with pytest.raises(SystemExit) as ended:
+        server.handle_exit(signal.SIGINT, None)
+    assert ended.value.code == 130 and capsys.readouterr().err == "interrupted\n" and not server.force_exit
+
+
+def test_a_body_that_is_not_json_says_so(fixture_model):
+    """curl -d without -H Content-Type sends a form: the 400 said "Input should be a valid dictionary or object to
+    extract fields from", and an empty body "Field required"."""
+    with served(fixture_model, parallel=False) as base:
+        form = "application/x-www-form-urlencoded"  # (urllib's, as curl's -d: what a body without a type is sent as)
+        for body, sent in [(b"prompt=hi", form), (b"", form)]:
+            req = urllib.request.Request(base + "/v1/completions", body, method="POST")
+            with pytest.raises(urllib.error.HTTPError) as answer:
+                urllib.request.urlopen(req, timeout=10)
+            message = json.load(answer.value)["error"]["message"]
+            assert answer.value.code == 400 and message == (
+                f"the body must be a JSON object, sent as Content-Type: application/json (it was {sent})"
+            )
