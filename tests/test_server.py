@@ -754,3 +754,22 @@ def test_an_empty_stop_string_is_ignored_and_a_tiny_temperature_samples(fixture_
         assert status == 200 and answer["choices"][0]["text"] == plain["choices"][0]["text"], answer
     finally:
         stop_server(proc)
+
+
+def test_an_ipv6_address_is_announced_as_a_url_takes_it(fixture_model):
+    """`serve --host ::1` said "serving ... on http://::1:8000/v1", which no client parses: the address is
+    bracketed in a URL."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    port = str(free_port())
+    cmd = [sys.executable, "-m", "ahakv_local", "serve", str(fixture_model), "--host", "::1", "--port", port, "-t", "1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        assert line.strip().endswith(f" on http://[::1]:{port}/v1"), line
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
