@@ -453,6 +453,22 @@ def installed_key() -> str | None:
     return marker.get("key") if marker.get("library_sha256") == library_digest(pkg) else None
 
 
+def installed_patch_hash() -> str | None:
+    """The sha256 of the patch series the installed engine was built from: its marker's (recorded since this field
+    existed), else the source tree's where its key says it is that one; None where neither can say."""
+    pkg = installed_package()
+    try:
+        marker = json.loads((pkg / MARKER).read_text()) if pkg is not None else {}
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("key") != installed_key():
+        return None
+    if "patch_sha256" in marker:
+        return marker["patch_sha256"]
+    bp = BuildPlan(tuple(marker.get("cmake_args") or ()), tuple(sorted(patch_dir().glob("*.patch"))))
+    return bp.patch_hash if bp.key == marker["key"] else None
+
+
 def install(wheel: Path, bp: BuildPlan) -> None:
     run([sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall", "--no-cache-dir", str(wheel)])
     pkg = installed_package()
@@ -460,6 +476,7 @@ def install(wheel: Path, bp: BuildPlan) -> None:
         "key": bp.key,
         "cmake_args": bp.cmake_args,
         "patches": [p.name for p in bp.patches],
+        "patch_sha256": bp.patch_hash,
         "library_sha256": library_digest(pkg),
     }
     (pkg / MARKER).write_text(json.dumps(marker, indent=1))

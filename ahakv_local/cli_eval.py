@@ -178,6 +178,21 @@ def _cells(budgets: str, n_tokens: int, floor: int) -> list[int]:
     return list(dict.fromkeys(cells))  # each once: a budget named twice ran twice into one row
 
 
+def _say_raised(budgets: str, n_tokens: int, floor: int) -> None:
+    """Say which fractions ``_cells`` raised to ``floor`` (after every refusal: an error stays one line). Their rows
+    state the compression the floor allows, and several such fractions are one row: without a word, "0.05,0.06" gave
+    one row of 10.8x."""
+    from .budget import Budget
+
+    raised = [t for t in budgets.split(",") if (b := Budget.parse(t)).mode == "ratio" and b.target(n_tokens) < floor]
+    if raised:
+        click.echo(
+            f"note: {', '.join(raised)} of {n_tokens} tokens is less than sinks + recent + one eviction period: "
+            f"raised to {floor} cells",
+            err=True,
+        )
+
+
 def _below_trained(cells: list[int], trained: int) -> None:
     """Refuse a budget of more cells than the model has positions (``trained``), as generate does (it ran, and
     reported a "compression" below 1x)."""
@@ -349,6 +364,7 @@ def eval_ppl(
             for lay in layouts
         ]  # fmt: skip
     check_floors(path, len(ids), configs, step=step)  # (evaluate does too: here before the bar starts)
+    _say_raised(",".join(filter(None, (budgets, ablations_at))), len(ids), floor)
     with _bar("eval ppl", len(ids) * (len(configs) + 1)) as bar:  # the full cache, then each alone
         results = evaluate(
             path,

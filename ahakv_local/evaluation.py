@@ -54,6 +54,7 @@ class PplResult:
     kv_bytes: int = 0  # K+V bytes its engine allocated (every cache)
     mean_cells: float = 0.0  # live cells after each step past the prefix, averaged (an auto budget's mean)
     mean_share: float = 0.0  # live cells / tokens seen after each step past the prefix, averaged
+    evict_every: int | None = None  # the eviction period it ran with (None: it kept every token)
 
 
 def text_tokens(model: Path, text: str) -> list[int]:
@@ -256,6 +257,7 @@ class _Run:
             self.kv_bytes,
             float(np.mean([c for c, _ in self.held])) if self.held else 0.0,
             float(np.mean([c / n for c, n in self.held])) if self.held else 0.0,
+            self.ctl.config.evict_every if self.ctl is not None and spec.budget.evicts else None,
         )
 
 
@@ -268,13 +270,13 @@ def _open(
     rpc_servers: tuple[str, ...] = (),
     n_threads: int | None = None,
 ) -> _Run:
-    if spec in (FULL, TRIMMED):
-        # the baselines in llama.cpp's own caches at this ubatch: plain llama-cpp-python's (the reference) and its
-        # tools' (the sliding cache trimmed). A cache sized exactly to a text of 300 tokens computes attention over
-        # 300 cells where llama.cpp's padded one takes 320, which rounds otherwise: on Gemma 3's Q4_K a KL of ~5e-4,
-        # and "trimmed" showed that cost beside a "full" that keeps the same positions (the same at 4,096 tokens)
+    if spec.policy == FULL.policy:
+        # every position kept, in llama.cpp's own caches at this ubatch: plain llama-cpp-python's (the reference, and
+        # any other full row) or its tools' (TRIMMED: the sliding cache trimmed). A cache sized exactly to a text of
+        # 300 tokens attends over 300 cells where llama.cpp's padded one takes 320, which rounds otherwise: on Gemma
+        # 3's Q4_K a KL of ~5e-4, and "trimmed" showed that cost beside a "full" keeping the same positions
         config = EngineConfig(
-            n_ctx=n_tokens, n_batch=n_ubatch, n_ubatch=n_ubatch, swa_full=spec == FULL, rpc_servers=rpc_servers,
+            n_ctx=n_tokens, n_batch=n_ubatch, n_ubatch=n_ubatch, swa_full=spec != TRIMMED, rpc_servers=rpc_servers,
             n_threads=n_threads,
         )  # fmt: skip
         return _Run(BoundedSession(_stepped(spec, step), Engine(model, config), n_tokens))

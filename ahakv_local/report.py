@@ -33,17 +33,22 @@ def invocation() -> dict:
 
 
 def provenance(model: Path, text: str, tokens: int) -> dict:
+    """What a result was made with: the model and text (their sha256: a relative path names no file), the tokens, this
+    package, and the engine installed, by its key and the patch series it was built from (the source tree's patches,
+    edited without a rebuild, said what the engine did not run)."""
     from . import __version__
-    from .build import installed_key, plan
+    from .build import installed_key, installed_patch_hash
 
+    texts = [t for t in text.split(",") if t] if text else []
     return invocation() | {
         "model": str(model),
         "model_sha256": file_sha256(model),
         "text": text,
+        "text_sha256": {t: file_sha256(Path(t)) for t in texts if Path(t).is_file()},
         "tokens": tokens,
         "ahakv_local": __version__,
         "engine_key": installed_key(),
-        "patch_sha256": plan().patch_hash,
+        "patch_sha256": installed_patch_hash(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
@@ -146,7 +151,19 @@ def write_ppl_report(
         )
     out.mkdir(parents=True, exist_ok=True)
     plot_ppl(results, tokens, out / "ppl_vs_budget.png", f"{model.name}: {Path(text).name}, {tokens} tokens")
-    fields = ["label", "policy", "budget", "tokens", "ppl", "kl", "top1", "max_cells", "kv_bytes", "seconds"]
+    fields = [
+        "label",
+        "policy",
+        "budget",
+        "tokens",
+        "ppl",
+        "kl",
+        "top1",
+        "max_cells",
+        "kv_bytes",
+        "seconds",
+        "evict_every",
+    ]
     _write(out, meta, rows, fields, lines, "ppl_vs_budget.png")
     return lines
 

@@ -392,3 +392,49 @@ def test_the_reference_is_llama_cpp_s_own_cache_so_trimming_within_the_window_co
     # of a row's span over 65,535 steps; Gemma 3's rows span at most ~61 nats on these texts (its docstring)
     e = 61 / 65535 / 2
     assert 0 <= trimmed.kl <= e * np.exp(e)  # (it was 0.0010 with the exactly sized reference)
+
+
+def test_a_run_names_its_text_its_engine_s_patches_its_period_and_the_fractions_it_raised(fixture_model, tmp_path):
+    """results.json named the text only by the path as typed (a relative name is no file), the patch hash of the
+    source tree (edited without a rebuild, not the engine's), and "evict_every": null where each row ran a period of
+    its own; and two fractions raised to the floor ran as one row without a word ("0.05,0.06": one row of 10.8x)."""
+    from ahakv_local.build import installed_patch_hash
+    from ahakv_local.models import file_sha256
+
+    text = tmp_path / "words.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog and runs far away from here " * 40)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "ahakv_local", "eval", "ppl", str(fixture_model), "--text", "words.txt", "-t", "1"]
+    cmd += ["--tokens", "400", "--prefix", "64", "--budgets", "0.05,0.06,128", "--policies", "h2o", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    floor = 4 + 32 + 1  # sinks + recent + one eviction period (token by token, at the floor's budget: 1)
+    assert (
+        f"note: 0.05, 0.06 of 400 tokens is less than sinks + recent + one eviction period: raised to {floor} cells"
+        in (proc.stderr)
+    )
+    report = json.loads((out / "results.json").read_text())
+    config, rows = report["config"], {r["label"]: r for r in report["results"]}
+    assert config["text_sha256"] == {"words.txt": file_sha256(text)}
+    assert config["patch_sha256"] == installed_patch_hash() is not None
+    assert set(rows) == {"full", f"h2o@{floor}", "h2o@128"}  # the two fractions: one row, now said
+    assert rows["full"]["evict_every"] is None and rows["h2o@128"]["evict_every"] > 1
+
+
+def test_the_patch_hash_is_the_installed_engine_s(tmp_path, monkeypatch):
+    """Read from the engine's marker; a marker of before the field, by its key (the key holds the patch hash); None
+    where the engine was built from other patches than these."""
+    from ahakv_local import build
+
+    pkg = tmp_path / "llama_cpp"
+    pkg.mkdir()
+    monkeypatch.setattr(build, "installed_package", lambda: pkg)
+    bp = build.plan(cmake_args="-DGGML_NATIVE=OFF")
+    monkeypatch.setattr(build, "installed_key", lambda: bp.key)
+    (pkg / build.MARKER).write_text(json.dumps({"key": bp.key, "cmake_args": bp.cmake_args, "patch_sha256": "abc"}))
+    assert build.installed_patch_hash() == "abc"
+    (pkg / build.MARKER).write_text(json.dumps({"key": bp.key, "cmake_args": bp.cmake_args}))  # an older marker
+    assert build.installed_patch_hash() == bp.patch_hash
+    (pkg / build.MARKER).write_text(json.dumps({"key": "another build", "cmake_args": bp.cmake_args}))
+    monkeypatch.setattr(build, "installed_key", lambda: "another build")
+    assert build.installed_patch_hash() is None
