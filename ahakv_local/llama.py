@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -45,6 +46,23 @@ from .native import MAX_THREADS
 from .policies import make_policy
 from .session import SessionSpec, guide
 from .textfile import last_paragraph
+
+
+def whole(n) -> int | None:
+    """``n`` as an int where it is a whole number as ctypes takes one (int, numpy's integers: ``__index__``), not a
+    bool; None otherwise."""
+    if isinstance(n, bool):
+        return None
+    try:
+        return operator.index(n)
+    except TypeError:
+        return None
+
+
+def _at_least_one(name: str, n) -> int:
+    if (value := whole(n)) is None or value < 1:  # (-1: llama.cpp failed, then a crash on exit)
+        raise AhakvError(f"{name} must be 1 or more, not {n!r}")
+    return value
 
 
 class Stopped(Exception):
@@ -206,14 +224,18 @@ class Llama(llama_cpp.Llama):
         # client left, or the process's, without reaching into llama-cpp-python's generation loop
         self.should_stop: Callable[[], bool] = lambda: False
         self._timing = {"prompt_tokens": 0, "prompt_s": 0.0, "gen_tokens": 0, "gen_s": 0.0, "sampled": 0}
-        if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 0:  # (a budget's plan took -1 for 0)
+        # whole numbers as ctypes takes them (numpy's too: upstream took np.int64(512), this refused it), not a bool
+        if (ctx := whole(n_ctx)) is None or ctx < 0:  # (a budget's plan took -1 for 0)
             raise AhakvError(f"n_ctx must be 0 (the model's trained context) or more, not {n_ctx!r}")
-        for name, n in (("n_batch", n_batch), ("n_ubatch", kwargs.get("n_ubatch", 512))):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:  # (-1: llama.cpp failed, then a crash on exit)
-                raise AhakvError(f"{name} must be 1 or more, not {n!r}")
+        n_ctx = ctx
+        n_batch = _at_least_one("n_batch", n_batch)
+        if "n_ubatch" in kwargs:
+            kwargs["n_ubatch"] = _at_least_one("n_ubatch", kwargs["n_ubatch"])
         for name in ("n_threads", "n_threads_batch"):  # (100000: std::bad_alloc at the first decode, an abort)
-            if (n := kwargs.get(name)) is not None and not (isinstance(n, int) and n <= MAX_THREADS):
-                raise AhakvError(f"{name} must be a whole number up to {MAX_THREADS}, not {n!r}")
+            if (given := kwargs.get(name)) is not None:
+                if (n := whole(given)) is None or n > MAX_THREADS:
+                    raise AhakvError(f"{name} must be a whole number up to {MAX_THREADS}, not {given!r}")
+                kwargs[name] = n
         if kv_query not in (True, False, *QUESTION_AGNOSTIC):
             raise AhakvError(f"kv_query must be True, False, 'reconstruct' or 'surprisal', not {kv_query!r}")
         self._kv_query_default = kv_query
@@ -257,6 +279,11 @@ class Llama(llama_cpp.Llama):
         )
         if kwargs.get("logits_all"):
             raise AhakvError("logits_all keeps a row of logits per position; it cannot be combined with kv_budget")
+        if kwargs.get("draft_model") is not None:  # upstream's speculative decoding samples a row per draft token
+            raise AhakvError(
+                "draft_model decodes with a row of logits per position (logits_all); it cannot be combined with "
+                "kv_budget (llama.cpp aborted the process at the first draft)"
+            )
         plan = spec.plan_on(model_path, n_ctx, n_batch, kwargs.get("n_ubatch", 512))
         spec, n_batch = plan.spec, plan.n_batch
         if kv_type is not None:

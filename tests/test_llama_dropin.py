@@ -734,3 +734,27 @@ def test_a_pipe_as_the_model_path_is_refused_at_once(tmp_path):
     code = f"from ahakv_local import Llama; Llama({str(fifo)!r}, kv_budget=64, verbose=False)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and f"not a model file: {fifo} is a pipe or a device" in proc.stderr
+
+
+@pytest.mark.parametrize("budget", [None, 64], ids=["no budget", "bounded"])
+def test_numpy_s_whole_numbers_are_taken_as_upstream_takes_them(fixture_model, budget):
+    """n_ctx=np.int64(512) (a size computed with numpy, read from a config) was refused, where llama_cpp.Llama takes
+    it through ctypes; a bool or a float stays refused."""
+    kw = dict(n_ctx=np.int64(512), n_batch=np.int32(64), n_ubatch=np.int64(32), n_threads=np.int64(1))
+    with Llama(str(fixture_model), kv_budget=budget, verbose=False, **kw) as llm:
+        assert llm.n_batch == 64 and llm.context_params.n_ubatch == 32 and llm.context_params.n_threads == 1
+        assert llm("the cat", max_tokens=2, temperature=0)["usage"]["completion_tokens"] == 2
+    for bad in (True, 512.0, "512"):
+        with pytest.raises(ValueError, match="n_ctx must be 0"):
+            Llama(str(fixture_model), n_ctx=bad, kv_budget=budget, verbose=False)
+
+
+def test_a_draft_model_under_a_budget_is_refused_before_loading(fixture_model):
+    """Speculative decoding samples a row of logits per draft token (upstream turns logits_all on for it): under a
+    budget, llama.cpp aborted the process at the first draft ("invalid logits id -5")."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    with pytest.raises(ValueError, match=r"draft_model .* cannot be combined with kv_budget"):
+        Llama(str(fixture_model), kv_budget=64, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=4), verbose=False)
+    with Llama(str(fixture_model), draft_model=LlamaPromptLookupDecoding(num_pred_tokens=4), verbose=False) as llm:
+        assert llm("one two one two one two", max_tokens=4, temperature=0)["usage"]["completion_tokens"] == 4
