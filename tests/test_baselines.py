@@ -66,8 +66,9 @@ def test_the_trimmed_ppl_row_is_llama_cpps_own_trimmed_cache(license_text):
     assert trimmed.ppl == pytest.approx(reference, rel=tol) and trimmed.ppl == pytest.approx(full.ppl, rel=tol)
     # the stored full-cache rows are within 7.7e-5 nats of the exact ones (LogProbStore; tests/test_evaluation.py)
     assert trimmed.kl < 1e-4 and trimmed.top1 == 1.0
+    # the full row is plain llama-cpp-python's cache (swa_full on), as `info` states it: 512 cells each, padded
     caches = {c.name: c for c in read_info(model).caches(300, True)}
-    assert full.kv_bytes == 300 * (caches["full"].cell_bytes + caches["sliding"].cell_bytes)
+    assert full.kv_bytes == sum(c.cells * c.cell_bytes for c in caches.values()) == 512 * 2 * 128
     assert trimmed.kv_bytes == 512 * caches["full"].cell_bytes + 256 * caches["sliding"].cell_bytes
 
 
