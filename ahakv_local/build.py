@@ -440,9 +440,9 @@ def library_digest(pkg: Path) -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in libs)).hexdigest() if libs else ""
 
 
-def installed_key() -> str | None:
-    """The key of the engine installed in this environment, if ahakv-local built it and its library
-    is still the one it installed (another pip install of llama-cpp-python replaces it)."""
+def installed_marker() -> dict | None:
+    """The marker of the engine installed in this environment, if ahakv-local built it and its library is still the
+    one it installed (another pip install of llama-cpp-python replaces it); None otherwise."""
     pkg = installed_package()
     if pkg is None:
         return None
@@ -450,18 +450,19 @@ def installed_key() -> str | None:
         marker = json.loads((pkg / MARKER).read_text())
     except (OSError, ValueError):
         return None
-    return marker.get("key") if marker.get("library_sha256") == library_digest(pkg) else None
+    return marker if isinstance(marker, dict) and marker.get("library_sha256") == library_digest(pkg) else None
 
 
-def installed_patch_hash() -> str | None:
-    """The sha256 of the patch series the installed engine was built from: its marker's (recorded since this field
-    existed), else the source tree's where its key says it is that one; None where neither can say."""
-    pkg = installed_package()
-    try:
-        marker = json.loads((pkg / MARKER).read_text()) if pkg is not None else {}
-    except (OSError, ValueError):
-        return None
-    if not isinstance(marker, dict) or marker.get("key") != installed_key():
+def installed_key() -> str | None:
+    """The key of the installed engine (``installed_marker``), if ahakv-local built it."""
+    return (installed_marker() or {}).get("key")
+
+
+def patch_hash_of(marker: dict | None) -> str | None:
+    """The sha256 of the patch series an installed engine (its ``installed_marker``) was built from: the marker's
+    (recorded since this field existed), else the source tree's where the marker's key says it is that one; None
+    where neither can say."""
+    if not marker or "key" not in marker:
         return None
     if "patch_sha256" in marker:
         return marker["patch_sha256"]

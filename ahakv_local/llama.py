@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -43,20 +42,15 @@ from .engine import Engine, clear_next_caches, kv_type_params, set_next_caches
 from .errors import AhakvError
 from .info import check_kv_types, read_info, reading_headers_once
 from .native import MAX_THREADS
-from .policies import make_policy
+from .policies import KINDS, make_policy
 from .session import SessionSpec, guide
 from .textfile import last_paragraph
 
 
 def whole(n) -> int | None:
-    """``n`` as an int where it is a whole number as ctypes takes one (int, numpy's integers: ``__index__``), not a
-    bool; None otherwise."""
-    if isinstance(n, bool):
-        return None
-    try:
-        return operator.index(n)
-    except TypeError:
-        return None
+    """``n`` as an int where it is a whole number as ctypes takes one (numpy's integers too; not a bool: the
+    policies' ``KINDS["int"]``); None otherwise."""
+    return int(n) if KINDS["int"](n) else None
 
 
 def _at_least_one(name: str, n) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import AhakvError
-from .paths import cache_dir
+from .paths import cache_dir, umask
 
 if TYPE_CHECKING:  # fixture.py imports numpy: only the fixture needs it
     from .fixture import FixtureSpec
@@ -92,14 +92,8 @@ def _new_file(beside: Path) -> Path:
     read the model or its stamp)."""
     fd, name = tempfile.mkstemp(prefix=f".{beside.name}.", suffix=".part", dir=beside.parent)
     os.close(fd)
-    os.chmod(name, 0o666 & ~_umask())
+    os.chmod(name, 0o666 & ~umask())
     return Path(name)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)  # (the only way to read it is to set it)
-    os.umask(mask)
-    return mask
 
 
 def fixture_path(spec: FixtureSpec | None = None) -> Path:

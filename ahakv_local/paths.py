@@ -25,3 +25,10 @@ def cache_dir() -> Path:
 def project_root() -> Path:
     """The source checkout (patches/ lives there); ahakv-local is installed editable from it."""
     return Path(__file__).resolve().parent.parent
+
+
+def umask() -> int:
+    """This process's umask: the mode bits a file it makes with ``open`` leaves out (read by setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

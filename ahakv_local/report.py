@@ -37,8 +37,9 @@ def provenance(model: Path, text: str, tokens: int) -> dict:
     package, and the engine installed, by its key and the patch series it was built from (the source tree's patches,
     edited without a rebuild, said what the engine did not run)."""
     from . import __version__
-    from .build import installed_key, installed_patch_hash
+    from .build import installed_marker, patch_hash_of
 
+    engine = installed_marker()  # (its library hashed once)
     texts = [t for t in text.split(",") if t] if text else []
     return invocation() | {
         "model": str(model),
@@ -47,8 +48,8 @@ def provenance(model: Path, text: str, tokens: int) -> dict:
         "text_sha256": {t: file_sha256(Path(t)) for t in texts if Path(t).is_file()},
         "tokens": tokens,
         "ahakv_local": __version__,
-        "engine_key": installed_key(),
-        "patch_sha256": installed_patch_hash(),
+        "engine_key": (engine or {}).get("key"),
+        "patch_sha256": patch_hash_of(engine),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 

@@ -30,6 +30,7 @@ from . import upstream
 from .budget import LAYER_BUDGETS, Budget, as_option
 from .errors import AhakvError
 from .info import KV_CACHE_TYPES
+from .paths import umask
 
 FORMAT = "ahakv-local chat"
 VERSION = 1
@@ -106,7 +107,7 @@ def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None
     tmp = None
     try:
         # mkstemp's file is private (0600): a new saved chat is as any file written, one replaced keeps its mode
-        mode = stat.S_IMODE(path.stat().st_mode) if path.is_file() else 0o666 & ~_umask()
+        mode = stat.S_IMODE(path.stat().st_mode) if path.is_file() else 0o666 & ~umask()
         # a new file of its own (a fixed "FILE.tmp" replaced a user's file of that name, or wrote through a link)
         # its name cut to fit the folder's limit with mkstemp's 8 characters and the dots (a legal name of 250
         # characters was refused as "File name too long")
@@ -123,12 +124,6 @@ def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def load_chat(

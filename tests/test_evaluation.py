@@ -398,7 +398,7 @@ def test_a_run_names_its_text_its_engine_s_patches_its_period_and_the_fractions_
     """results.json named the text only by the path as typed (a relative name is no file), the patch hash of the
     source tree (edited without a rebuild, not the engine's), and "evict_every": null where each row ran a period of
     its own; and two fractions raised to the floor ran as one row without a word ("0.05,0.06": one row of 10.8x)."""
-    from ahakv_local.build import installed_patch_hash
+    from ahakv_local.build import installed_marker, patch_hash_of
     from ahakv_local.models import file_sha256
 
     text = tmp_path / "words.txt"
@@ -416,25 +416,18 @@ def test_a_run_names_its_text_its_engine_s_patches_its_period_and_the_fractions_
     report = json.loads((out / "results.json").read_text())
     config, rows = report["config"], {r["label"]: r for r in report["results"]}
     assert config["text_sha256"] == {"words.txt": file_sha256(text)}
-    assert config["patch_sha256"] == installed_patch_hash() is not None
+    assert config["patch_sha256"] == patch_hash_of(installed_marker()) is not None
     assert set(rows) == {"full", f"h2o@{floor}", "h2o@128"}  # the two fractions: one row, now said
     assert rows["full"]["evict_every"] is None and rows["h2o@128"]["evict_every"] > 1
 
 
-def test_the_patch_hash_is_the_installed_engine_s(tmp_path, monkeypatch):
+def test_the_patch_hash_is_the_installed_engine_s():
     """Read from the engine's marker; a marker of before the field, by its key (the key holds the patch hash); None
     where the engine was built from other patches than these."""
     from ahakv_local import build
 
-    pkg = tmp_path / "llama_cpp"
-    pkg.mkdir()
-    monkeypatch.setattr(build, "installed_package", lambda: pkg)
     bp = build.plan(cmake_args="-DGGML_NATIVE=OFF")
-    monkeypatch.setattr(build, "installed_key", lambda: bp.key)
-    (pkg / build.MARKER).write_text(json.dumps({"key": bp.key, "cmake_args": bp.cmake_args, "patch_sha256": "abc"}))
-    assert build.installed_patch_hash() == "abc"
-    (pkg / build.MARKER).write_text(json.dumps({"key": bp.key, "cmake_args": bp.cmake_args}))  # an older marker
-    assert build.installed_patch_hash() == bp.patch_hash
-    (pkg / build.MARKER).write_text(json.dumps({"key": "another build", "cmake_args": bp.cmake_args}))
-    monkeypatch.setattr(build, "installed_key", lambda: "another build")
-    assert build.installed_patch_hash() is None
+    assert build.patch_hash_of({"key": bp.key, "cmake_args": bp.cmake_args, "patch_sha256": "abc"}) == "abc"
+    assert build.patch_hash_of({"key": bp.key, "cmake_args": bp.cmake_args}) == bp.patch_hash  # an older marker
+    assert build.patch_hash_of({"key": "another build", "cmake_args": bp.cmake_args}) is None
+    assert build.patch_hash_of(None) is None  # no engine ahakv-local built
