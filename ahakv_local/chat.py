@@ -262,6 +262,18 @@ class ChatSession:
         return json.dumps(self.messages, indent=1, ensure_ascii=False)
 
 
+def full_context_hint(session: ChatSession, error: str, text: str) -> str:
+    """What to do where a message failed because the conversation filled the positions it may take (the model's trained
+    context, or without a budget the context asked for with -c), not because the message alone is too long."""
+    if session.llm.n_tokens == 0 or not session.fits_alone(text):
+        return ""
+    if "trained context" in error:
+        return " (this conversation is as long as the model reads: /save it, then /reset)"
+    if "exceed context window" in error:  # (llama-cpp-python's words, the full cache's)
+        return " (this conversation fills the context: /save it, then /reset, or open the chat with a larger -c)"
+    return ""
+
+
 class Typed(NamedTuple):
     text: str
     block: bool  # typed between two \"\"\" lines: a message, whatever its first line looks like
@@ -406,10 +418,9 @@ def _repl(session: ChatSession) -> None:
             except Stopped:
                 stopped = "[stopped while reading the message: not sent]"
             except (AhakvError, ValueError) as exc:  # e.g. the trained context is full
-                # positions never shift: a conversation that reached the model's trained context goes no further
-                full = "trained context" in str(exc) and session.llm.n_tokens > 0 and session.fits_alone(text)
-                hint = " (this conversation is as long as the model reads: /save it, then /reset)" if full else ""
-                click.echo(f"\nerror: {exc}{hint}", err=True)
+                # positions never shift: a conversation that reached the model's trained context goes no further,
+                # and one without a budget none past its context (-c)
+                click.echo(f"\nerror: {exc}{full_context_hint(session, str(exc), text)}", err=True)
             out.write("\n")
             out.flush()
             if stop():

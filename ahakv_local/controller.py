@@ -130,6 +130,9 @@ class ControllerStats:
     evictions: int = 0  # native eviction calls
     guide_tokens: int = 0  # tokens decoded to guide a reading (questions, repetitions), then removed
     retained_mass: list[float] = field(default_factory=list)  # per layer, at the last eviction
+    # the most cells_used since the sequence started: counted after each decode, before an eviction takes the cache
+    # back (a prompt's chunk or the steps between evictions on top of what an eviction keeps)
+    peak_cells: int = 0
 
     @property
     def retention(self) -> float:
@@ -275,6 +278,7 @@ class KVController:
         """The statistics' cells used, budget and evictions, over the counted groups."""
         counted = self.counted
         self.stats.cells_used = _mean([g.live.size for g in counted])
+        self.stats.peak_cells = max(self.stats.peak_cells, self.stats.cells_used)
         self.stats.evicted = _mean([g.evicted for g in counted])
         # what each holds: its last eviction target, or before one (nothing read yet, or stopped mid-read) its budget's
         targets = [g.budget.target(self.engine.n_past) if g.decided is None else g.decided for g in counted]
@@ -689,16 +693,18 @@ class KVController:
         return default_evict_every(held, cfg.n_sink, cfg.n_recent)
 
     def fits(self, budget: Budget) -> bool:
-        """Whether the allocated cells of every cache hold its group's budget plus one prompt chunk and the
-        newest token."""
+        """Whether the allocated cells of every cache hold its group's budget plus one prompt chunk, the newest token
+        and a guided reading's room."""
         return self._short_cache(budget) is None
 
     def _short_cache(self, budget: Budget) -> int | None:
-        """The cells of the first cache too small for its group's share of ``budget`` (None: they all fit)."""
+        """The cells of the first cache too small for its group's share of ``budget`` (None: they all fit). The room
+        counts: without it a chat's /budget 352 fitted Gemma's 417 cells opened for 256, and the next adaptive
+        re-split laid the caches out for 352 and its room (513 cells, 23% more memory than the chat opened with)."""
         e, sizes = self.engine, self._sizes()
         groups = self.allocation(budget).groups
         for held, cells in zip(groups, [min(sizes)] if len(groups) == 1 else sizes, strict=True):
-            if held.mode == "cells" and cells < cells_for(held, e.config.n_ubatch, 0):
+            if held.mode == "cells" and cells < cells_for(held, e.config.n_ubatch, 0, self.config.room):
                 return cells
         return None
 
@@ -755,6 +761,8 @@ class KVController:
             self._hold(self.allocation(self.config.budget))
         self._pending = 0  # the summed rows may include forgotten positions' queries: drop them
         self.stats.tokens_seen = n
+        if n == 0:
+            self.stats.peak_cells = 0
         self._count()  # from n = 0, the budget's own target: the last decision belonged to the forgotten sequence
 
     def resume_point(self, n: int) -> int:
@@ -944,14 +952,17 @@ class KVController:
 
     def fill_budget(self) -> None:
         """After a state saved in smaller caches (``take_sizes``: a chat saved at a smaller budget), grow them back to
-        this budget's even shares before the next decode (the state moves with them): they stayed that small for
-        good, under a budget that said more, and a /budget of its own size was refused."""
+        this budget before the next decode (the state moves with them): they stayed that small for good, under a
+        budget that said more, and a /budget of its own size was refused. Each layer keeps the share it was saved
+        with (``take_sizes`` applied them), so each holds at least what it was saved holding: grown to even shares,
+        a layer saved above the even split lost positions at the load (Gemma's layer 0 at 256 cells, 60 of 365,
+        loaded into a chat of 300)."""
         if self.shares is None:
             return
-        even = self._even_split()
-        if self._per_kind(self.engine.cache_sizes()) != self._per_kind(even.cache_cells):
-            self.shares.restart(self.engine.n_past)
-            self._hold(even)
+        grown = self.allocation(self.config.budget)
+        if self._per_kind(self.engine.cache_sizes()) != self._per_kind(grown.cache_cells):
+            self._hold(grown)
+        self._count()  # the targets of this budget (the state's were counted: /stats said its budget until a turn)
 
     def take_sizes(self, cells: tuple[int, ...]) -> None:
         """Empty the sequence and give the caches ``cells`` (a saved state's, made where adaptive shares had

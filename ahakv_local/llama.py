@@ -329,9 +329,14 @@ class Llama(llama_cpp.Llama):
     @property
     def kv_laid_out_for(self) -> dict:
         """What this Llama's caches were laid out for, beside its budget and layout: the policy it was opened with
-        (one that reads with a question keeps that room in them; a later ``set_policy`` keeps the caches) and the
-        ``n_ctx`` asked (a ratio or auto budget's cells). A saved chat names them where they differ."""
-        return {"policy": self._asked["kv_policy"], "n_ctx": self._asked["n_ctx"]}
+        (one that reads with a question keeps that room in them; a later ``set_policy`` keeps the caches), the
+        ``n_ctx`` asked (a ratio or auto budget's cells) and the ubatch (each cache holds one beside the budget). A
+        saved chat names them where they differ."""
+        return {
+            "policy": self._asked["kv_policy"],
+            "n_ctx": self._asked["n_ctx"],
+            "n_ubatch": self._kv_engine.config.n_ubatch,
+        }
 
     @property
     def kv_engine(self) -> Engine:
@@ -407,6 +412,13 @@ class Llama(llama_cpp.Llama):
         if self.should_stop():
             raise Stopped
         if self._kv is None:
+            # past the context llama_decode fails on the chunk that does not fit, with the chunks before it in the
+            # cache and a RuntimeError (chat's /read of a long document); refused before any, in create_completion's
+            # words
+            if self.n_tokens + len(tokens) > self.n_ctx():
+                raise ValueError(
+                    f"Requested tokens ({self.n_tokens + len(tokens)}) exceed context window of {self.n_ctx()}"
+                )
             # upstream's eval decodes n_batch tokens at a time: the same calls, one by one, so that should_stop is
             # asked between two of them here too (a long message was read to its end after a first Ctrl-C)
             for start in range(0, len(tokens), self.n_batch):

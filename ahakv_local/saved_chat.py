@@ -5,7 +5,7 @@ checking that the file is what it claims to be and was saved from the same model
 foreign file is refused with one line and the running conversation stays as it was.
 
     chat.json   {"format", "version", "model": {...}, "system", "messages", "n_tokens", "input_ids", "seed",
-                 "cache_cells", "budget", "layer_budgets", "policy", "laid_out_for": {"policy", "n_ctx"},
+                 "cache_cells", "budget", "layer_budgets", "policy", "laid_out_for": {"policy", "n_ctx", "n_ubatch"},
                  "kv_cache": {"type_k", "type_v", "flash_attn"}}
     state.bin   llama_state_get_data() of the context (the compressed cache, positions included)
 """
@@ -186,6 +186,9 @@ def _how_to_load(meta: dict, llm) -> str:
     n_ctx = laid_out.get("n_ctx")
     if saved is not None and saved.mode in ("ratio", "auto") and type(n_ctx) is int and n_ctx != ours["n_ctx"]:
         options.append(f"-c {n_ctx}")  # (an int only: a crafted file's text never reaches the error line)
+    n_ubatch = laid_out.get("n_ubatch")  # (chat's --batch-size sets it; files written before it was kept: none)
+    if kv is not None and type(n_ubatch) is int and n_ubatch != ours["n_ubatch"]:
+        options.append(f"--batch-size {n_ubatch}")
     layout = meta.get("layer_budgets")
     if layout in LAYER_BUDGETS and kv is not None and layout != kv.config.layer_budgets:
         options.append(f"--layer-budgets {layout}")

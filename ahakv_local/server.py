@@ -126,6 +126,15 @@ class KVFields(BaseModel):
     # null: the server's default
     kv_query: bool | str | None = None
 
+    @field_validator("max_tokens", "max_completion_tokens", "seed", "top_k", mode="before")
+    @classmethod
+    def _whole_floats(cls, value):
+        """A whole number written as a float (Python's json writes ``2.0`` for ``float(2)``) is that number, as
+        llama-cpp-python's server and OpenAI take it; ``2.5`` stays refused."""
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
+
     @model_validator(mode="after")
     def _nulls_are_defaults(self):
         for name in NULL_IS_DEFAULT:

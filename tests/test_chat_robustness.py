@@ -671,13 +671,71 @@ def test_a_chat_saved_at_a_smaller_budget_is_loaded_into_this_budget(tmp_path):
         s.llm.close()
 
 
+def test_a_chat_loaded_into_a_larger_budget_keeps_every_position(gemma_model, license_text, tmp_path):
+    """Adaptive shares are uneven once re-split: Gemma's layer 0 held 365 cells of a 256-cell chat. Loaded into a chat
+    of 300, the caches grew to the even split of 300 and the layers saved above it lost positions at once (60 of
+    layer 0's), where a larger budget evicts nothing; and /stats said the saved budget until the next turn."""
+
+    def opened(budget: int) -> ChatSession:
+        llm = Llama(str(gemma_model), kv_budget=budget, n_batch=64, n_threads=2, verbose=False)
+        return ChatSession(llm, None, max_tokens=40, temperature=0.0)  # (an eviction in each answer: a re-split)
+
+    s = opened(256)
+    try:
+        words = license_text.split()
+        for start in (0, 200):  # two turns past 512 positions: two re-splits, uneven shares
+            talk(s, " ".join(words[start : start + 200]) + " What is this text about?")
+        kv = s.llm.kv_controller
+        assert kv.shares.decisions >= 1 and kv.shares.weights.max() > 1.1
+        saved = {int(g.layers[0]): g.live.copy() for g in kv.groups}
+        s.save(tmp_path / "256.chat")
+    finally:
+        s.llm.close()
+    for budget in (300, 512):
+        s = opened(budget)
+        try:
+            s.load(tmp_path / "256.chat")
+            kv = s.llm.kv_controller
+            for g in kv.groups:
+                np.testing.assert_array_equal(g.live, saved[int(g.layers[0])])
+            # the budget in force: the full-attention layers' mean holding, this budget's (to a cell: whole cells)
+            assert abs(kv.stats.budget - budget) <= 1, kv.stats.budget
+            s.llm.eval(s.llm.tokenize(b" and then?", add_bos=False))  # the caches grow before the next decode
+            for g in kv.groups:  # the positions moved with them
+                np.testing.assert_array_equal(g.live, g.read_live(s.llm.kv_engine))
+        finally:
+            s.llm.close()
+
+
+def test_a_larger_cell_budget_stays_within_the_memory_the_chat_opened_with(tmp_path):
+    """The fit check left out a guided reading's room: a cell budget that fitted the caches without it was taken, and
+    the next adaptive re-split laid them out for it with the room (Gemma's chat of 256: /budget 352, 417 cells each
+    grew to 513, 23% more memory). Such a budget is refused, one that fits with the room is taken, and the memory
+    never grows past what the chat opened with."""
+    path = fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
+    s = session(path, budget=96)
+    try:
+        kv, e = s.llm.kv_controller, s.llm.kv_engine
+        room, opened = kv.config.room, e.kv_bytes()
+        assert room > 1 and kv.shares is not None  # a guided reading's room, adaptive layers
+        with pytest.raises(AhakvError, match=rf"budget {96 + room // 2} does not fit"):
+            s.set_budget(str(96 + room // 2))
+        assert s.set_budget("90").startswith("budget: 90")
+        for i in range(12):  # past 256 positions: re-splits lay the caches out for the budget in force
+            talk(s, f"tell me about the weather in the mountains number {i} and the sea")
+            assert e.kv_bytes() <= opened
+        assert kv.shares.decisions >= 1
+    finally:
+        s.llm.close()
+
+
 def test_a_refused_load_names_the_options_that_load_it(fixture_model, tmp_path):
     """The hint of a refused /load named no option where the policy made the caches' sizes (AhaKV keeps a question's
     room, H2O none), none between a budget's caches and the full cache (llama.cpp's log, then "refused"), and for a
     byte budget the options that, followed, were refused again (--budget 8MiB opened in another K/V type)."""
 
     def chat(**kw) -> ChatSession:
-        llm = Llama(str(fixture_model), kv_recent=8, n_batch=32, verbose=False, **kw)
+        llm = Llama(str(fixture_model), kv_recent=8, verbose=False, **({"n_batch": 32} | kw))
         return ChatSession(llm, None, max_tokens=4, temperature=0.0)
 
     made = {
@@ -688,6 +746,8 @@ def test_a_refused_load_names_the_options_that_load_it(fixture_model, tmp_path):
         "switched": {"kv_budget": 64},
         # a ratio's cells come from n_ctx: loaded at another -c, the hint named nothing
         "ratio": {"kv_budget": 0.25, "n_ctx": 1024},
+        # each cache holds a ubatch beside the budget: saved at --batch-size 16, the hint named nothing
+        "batch": {"kv_budget": 64, "n_batch": 16},
     }
     for name, kw in made.items():
         s = chat(**kw)
@@ -697,6 +757,7 @@ def test_a_refused_load_names_the_options_that_load_it(fixture_model, tmp_path):
         command(s, "/save", str(tmp_path / f"{name}.chat"))
         s.llm.close()
     ratio_cells = json.loads(zipfile.ZipFile(tmp_path / "ratio.chat").read("chat.json"))["cache_cells"]
+    batch_cells = json.loads(zipfile.ZipFile(tmp_path / "batch.chat").read("chat.json"))["cache_cells"]
     expected = {  # (the chat loading, the file): the hint, then the chat those options open loads it
         ("h2o", "switched"): (
             "in KV caches of other sizes (129-129 cells): open the chat with --policy ahakv",
@@ -707,6 +768,11 @@ def test_a_refused_load_names_the_options_that_load_it(fixture_model, tmp_path):
             "ratio",
         ),
         ("h2o", "ahakv"): ("in KV caches of other sizes (129-129 cells): open the chat with --policy ahakv", "ahakv"),
+        ("ahakv", "batch"): (
+            f"in KV caches of other sizes ({min(batch_cells)}-{max(batch_cells)} cells): open the chat with "
+            "--batch-size 16",
+            "batch",
+        ),
         ("h2o", "full"): ("without a budget (the full cache): open the chat with --budget none", "full"),
         ("full", "ahakv"): ("in caches laid out for a budget: open the chat with --budget 64 --policy ahakv", "ahakv"),
         ("ahakv", "bytes"): (
@@ -1224,3 +1290,23 @@ def test_a_transcript_the_disk_cannot_take_leaves_no_empty_file(chat, tmp_path, 
     assert list((tmp_path / "chats").iterdir()) == []
     err = capsys.readouterr().err
     assert "cannot keep the conversation" in err and '"content": "hello"' in err
+
+
+def test_a_document_past_the_full_cache_s_context_is_one_line_and_leaves_nothing(fixture_model, tmp_path):
+    """Without a budget, /read of a document past -c reached llama_decode, which failed on the chunk that did not fit:
+    "/read failed: RuntimeError: llama_decode returned 1" (the chat's catch-all), the chunks before it left in the
+    cache. It is refused before anything is decoded, in llama-cpp-python's words for a prompt too long."""
+    llm = Llama(str(fixture_model), kv_policy="full", n_ctx=512, n_batch=32, verbose=False)
+    try:
+        s = ChatSession(llm, "You are terse.", max_tokens=4, temperature=0.0)
+        talk(s, "hello")
+        before, n_before = list(s.messages), llm.n_tokens
+        doc = tmp_path / "doc.txt"
+        doc.write_text("the quick brown fox jumps over the lazy dog " * 30)  # ~1,100 fixture tokens
+        with pytest.raises(AhakvError, match=r"^Requested tokens \(\d+\) exceed context window of 512$"):
+            command(s, "/read", str(doc))
+        assert s.messages == before and llm.n_tokens <= n_before
+        assert llm.kv_engine.n_used() == n_before  # nothing of the document decoded into the cache
+        assert talk(s, "and now?") is not None
+    finally:
+        llm.close()

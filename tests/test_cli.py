@@ -1193,6 +1193,23 @@ def test_the_default_model_is_readable_by_others_and_a_damaged_stamp_assembles_i
     assert len(assembled) == 5
 
 
+def test_a_full_cache_chat_at_its_context_says_what_to_do(fixture_model, tmp_path):
+    """Without a budget the chat ends at -c: "Requested tokens (775) exceed context window of 768" said nothing more.
+    It now says to /save, then /reset, or to open the chat with a larger -c; a message too long alone does not."""
+    env = {**os.environ, "AHAKV_CACHE_DIR": str(tmp_path)}
+    unit = "the quick brown fox jumps over the lazy dog "
+    # ~420 tokens, then ~150 more: past -c 512 together; then ~700 tokens alone
+    lines = ['"""', unit * 12, '"""', "and now a question " * 10, '"""', unit * 20, '"""', ""]
+    args = ("chat", str(fixture_model), "--policy", "full", "-c", "512", "-n", "2", "--temp", "0")
+    proc = ahakv(*args, stdin="\n".join(lines), env=env)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 0 and len(errors) == 2, proc.stderr
+    assert "exceed context window of 512" in errors[0]
+    assert errors[0].endswith("(this conversation fills the context: /save it, then /reset, or open the chat with a "
+                              "larger -c)")  # fmt: skip
+    assert "exceed context window" in errors[1] and "/reset" not in errors[1]  # longer than the context on its own
+
+
 def test_a_chat_at_the_trained_context_says_what_to_do(fixture_model, tmp_path):
     """Positions never shift: once a bounded chat's positions reach the trained context (the fixture's 4,096), every
     message failed with "exceed the model's trained context" and nothing more. It now says to /save, then /reset; a

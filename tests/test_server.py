@@ -337,25 +337,33 @@ def assert_the_servers_budget(server) -> None:
 def test_a_request_budget_is_checked_as_the_new_sequence_it_starts(gemma_model, license_text):
     """Adaptive layer shares drift as a sequence goes on, and a request with its own kv_budget starts a new sequence
     from even shares (README): its budget was checked against the drifted shares and caches, so 300 and 320 cells
-    were refused after a 40-token answer ("does not fit the 513 allocated cells") and accepted after a 5-token one.
+    were refused after a 40-token answer ("does not fit the 513 allocated cells") and accepted after a 5-token one
+    (both past what 385 cells hold with a guided reading's room, which the check now counts: refused either way).
     Checked as the sequence it starts, it runs in caches laid out for it; the server's caches come back after, at
     once."""
     from ahakv_local import Llama
+    from ahakv_local.errors import AhakvError
     from ahakv_local.server import CompletionRequest, SerialRunner
 
     prompt = license_text[:3000] + "\n\nQuestion: what is this text about?\nAnswer:"
     with Llama(str(gemma_model), kv_budget=256, n_ctx=2048, n_batch=64, verbose=False) as llm:
         kv = llm.kv_controller
-        even = kv._sizes()
+        even, opened = kv._sizes(), llm.kv_engine.kv_bytes()
         runner = SerialRunner(llm, "local", 256, 600.0, 32)
         llm.create_completion(prompt, max_tokens=40, temperature=0)
         assert kv.shares.weights.std() > 0.1 and kv._sizes() != even  # the shares drifted
-        for budget in (300, 320):  # at even shares they fit: 320 + a chunk of 64 + the newest token = 385 cells
+        room = kv.config.room  # a guided reading's, in every cache
+        for budget in (240, 256):  # at even shares they fit: 256 + a chunk of 64 + the newest token + 64 = 385 cells
             with runner.settings(CompletionRequest(prompt="x", kv_budget=budget)):
                 assert kv.config.budget.value == budget
                 e = llm.kv_engine
                 cells = dict(zip(e.caches, kv._sizes(), strict=True))  # each cache as the next decode has it
-                assert all(cells[e.layer_cache[g.map_layer]] >= budget + 65 for g in kv.groups if not g.window)
+                assert all(cells[e.layer_cache[g.map_layer]] >= budget + 65 + room for g in kv.groups if not g.window)
+                assert sum(e.kv_bytes(c) for c in e.caches) <= opened  # within the memory the server opened with
+        # a budget that fits only without the room was taken, and the caches were laid out past that memory
+        with pytest.raises(AhakvError, match="budget 300 does not fit the 385 allocated cells"):
+            with runner.settings(CompletionRequest(prompt="x", kv_budget=300)):
+                pass
         # and at once, not at the next request's first decode (/v1/kv/stats showed the request's 257-449 cells)
         assert kv.config.budget.value == 256 and kv._sizes() == llm.kv_engine.cache_sizes() == even
 
@@ -401,6 +409,7 @@ def test_bad_requests_are_openai_errors(server):
         ({"prompt": "x", "stream": "yes"}, "stream: Input should be a valid boolean"),
         ({"prompt": "x", "max_tokens": "5"}, "max_tokens: Input should be a valid integer"),
         ({"prompt": "x", "temperature": "0"}, "temperature: Input should be a valid number"),
+        ({"prompt": "x", "max_tokens": 2.5}, "max_tokens: Input should be a valid integer"),
     ]
     for body, words in cases:
         status, answer = call(server, "/v1/completions", body)
@@ -408,6 +417,13 @@ def test_bad_requests_are_openai_errors(server):
         assert answer["error"]["type"] == "invalid_request_error"
     status, answer = call(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]})
     assert status == 400 and answer["error"]["message"].startswith("messages.0.content")
+
+
+def test_whole_numbers_written_as_floats_are_taken(server):
+    # Python's json writes 2.0 for float(2); llama-cpp-python's server took it, this one answered 400
+    status, answer = call(server, "/v1/completions", {"prompt": "x", "max_tokens": 2.0, "seed": 3.0, "top_k": 1.0})
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] <= 2
 
 
 # -- OpenAI fields asking for what the server does not do were accepted and ignored: n=2 got one choice, logprobs
