@@ -56,9 +56,14 @@ class SpeedRow:
     prompt_tps: float  # median over rounds
     decode_tps: float  # median over rounds
     kv_bytes: int  # the KV buffer as allocated
-    ratio: float = 1.0  # decode_tps / plain's
+    # decode tokens/s over plain's, and over trimmed's (llama.cpp's own tools), each paired round by round (the
+    # configurations of a round run one after the other, so a drift of the machine hits both sides of a ratio alike):
+    # the median of the rounds' ratios, and their lowest and highest
+    ratio: float = 1.0
+    ratio_trimmed: float = 1.0
+    ratio_trimmed_range: tuple[float, float] = (1.0, 1.0)
     kv_bytes_at_context: int = 0  # what reading ``memory_context`` tokens allocates (0: not asked)
-    decode_runs: list[float] = field(default_factory=list)
+    decode_runs: list[float] = field(default_factory=list)  # decode tokens/s of each round, in round order
 
 
 @dataclass
@@ -289,9 +294,19 @@ def _rows(times: dict, prompts: dict, kv_bytes: dict, budget: int, decoded: int)
                 decode_runs=decode,
             )
         )
+    by_label = {row.label: row for row in rows}
     for row in rows:
-        row.ratio = row.decode_tps / rows[0].decode_tps
+        row.ratio = paired_ratio(row.decode_runs, by_label["plain"].decode_runs)[0]
+        row.ratio_trimmed, *spread = paired_ratio(row.decode_runs, by_label["trimmed"].decode_runs)
+        row.ratio_trimmed_range = tuple(spread)
     return rows
+
+
+def paired_ratio(runs: list[float], baseline: list[float]) -> tuple[float, float, float]:
+    """(median, lowest, highest) of ``runs[i] / baseline[i]``: rates of the same rounds. On a 2-core machine one
+    configuration's rounds ran from 48 to 70 tok/s; a ratio of medians took its two sides from different rounds."""
+    ratios = [a / b for a, b in zip(runs, baseline, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def _long(

@@ -245,7 +245,7 @@ def eval_group() -> None:
     type=click.IntRange(min=1),
     default=128,
     show_default=True,
-    help="Tokens decoded in chunks before stepping.",
+    help="Tokens decoded in chunks before stepping (perplexity scores them too; KL and top-1 only the steps after).",
 )
 @click.option(
     "--budgets",
@@ -582,7 +582,9 @@ def bench_group() -> None:
 
 @bench_group.command("speed")
 @click.argument("model", required=False, envvar="AHAKV_MODEL")
-@click.option("--text", "text_files", multiple=True, help="Text to read (default: every license in /usr/share).")
+@click.option(
+    "--text", "text_files", multiple=True, help="Text to read (default: every license in /usr/share/common-licenses)."
+)
 @click.option(
     "--budget",
     type=click.IntRange(min=1),

@@ -317,7 +317,7 @@ def _stream(run: _Run, tokens: list[int], prefix: int, step: int) -> Iterator[tu
         else:
             rows = run.ctl.prefill(tokens[a:b], all_logits=True, chunk=n_ubatch if a < prefix else step)
         run.seconds += time.perf_counter() - t0
-        run.peak = max(run.peak, run.ctl.live.size)
+        run.peak = max(run.peak, run.ctl.stats.peak_cells)  # (live after the call: the cache taken back already)
         if a >= prefix:
             run.held.append((run.ctl.live.size, b))
         # the logits that predicted this chunk: the previous call's last row, then this call's
@@ -345,7 +345,7 @@ def evaluate(
 
     After the prefix, tokens go in ``step`` at a time (1: token by token through ``KVController.step``;
     more: one decode call per step, every row scored, the cache brought back to the budget after
-    each, so it never holds more than budget + step cells). The full cache runs first and leaves its
+    each, so it never holds more than budget + 1 cells: the newest token's). The full cache runs first and leaves its
     rows in a ``LogProbStore`` (a temporary file in ``store_dir``, default the system's); then each
     configuration runs alone, and its engine is closed before the next opens. ``progress`` counts
     tokens over all runs: (done, len(tokens) * (len(specs) + 1)). ``rpc_servers``: llama.cpp RPC workers

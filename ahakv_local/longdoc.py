@@ -271,7 +271,13 @@ def parse_compressions(text: str) -> list[float]:
                 f"a compression must be at least 1 (1: as many cells as the prompt has tokens), not {part!r}"
             )
         out.append(c)
-    return list(dict.fromkeys(out))  # each once ("4,4x" ran twice into one row of twice the items)
+    out = list(dict.fromkeys(out))  # each once ("4,4x" ran twice into one row of twice the items)
+    named: dict[str, float] = {}
+    for c in out:  # a row is labelled by the factor's short form: two factors that print alike merged their rows
+        if (shown := f"{c:g}") in named:
+            raise ValueError(f"compressions {named[shown]!r} and {c!r} are both labelled {shown}x: give distinct ones")
+        named[shown] = c
+    return out
 
 
 def label_of(policy: str, compression: float, reading: str, layer_budgets: str = "shared") -> str:

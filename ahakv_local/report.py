@@ -228,20 +228,22 @@ def write_speed_report(
         f"# speed: {model.name}, budget {app[0].budget} cells",
         "",
         "plain: llama-cpp-python's default (swa_full: the sliding-window cache as large as the full one); trimmed: "
-        "llama.cpp's own tools (swa_full off: window + one ubatch); both without the tap. KV MiB: allocated for this "
-        + (f"run; at {at:,}: allocated to read {at:,} tokens." if at else "run."),
+        "llama.cpp's own tools (swa_full off: window + one ubatch); both without the tap. Ratios: decode tok/s over "
+        "the baseline's in the same round, the median over rounds (and the lowest and highest). KV MiB: allocated for "
+        "this " + (f"run; at {at:,}: allocated to read {at:,} tokens." if at else "run."),
         "",
     ]
     for title, table in (("through Llama.generate (greedy)", app), ("engine only (llama_decode, no sampling)", core)):
         lines += [
             f"## {title}",
             "",
-            "| run | live cells | prompt tok/s | decode tok/s | ratio to plain | KV MiB |"
+            "| run | live cells | prompt tok/s | decode tok/s | ratio to plain | ratio to trimmed (rounds) | KV MiB |"
             + (f" KV MiB at {at:,} |" if at else ""),
-            "|---|---:|---:|---:|---:|---:|" + ("---:|" if at else ""),
+            "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if at else ""),
         ]
         lines += [
             f"| {r.label} | {r.live_cells:.0f} | {r.prompt_tps:.1f} | {r.decode_tps:.2f} | {r.ratio:.3f} | "
+            f"{r.ratio_trimmed:.3f} ({r.ratio_trimmed_range[0]:.3f}-{r.ratio_trimmed_range[1]:.3f}) | "
             f"{r.kv_bytes / 2**20:.1f} |" + (f" {r.kv_bytes_at_context / 2**20:.1f} |" if at else "")
             for r in table
         ]

@@ -305,17 +305,15 @@ class BoundedSession:
 
     def answer(self, logits: np.ndarray, max_tokens: int) -> tuple[list[int], int]:
         """Greedy tokens from ``logits`` on (at most ``max_tokens``, ending at an end-of-generation token) and
-        the most cells the cache held meanwhile."""
+        the most cells the cache held since the sequence started (its prompt's chunks included)."""
         ctl, out = self.controller, []
-        peak = ctl.live.size
         for _ in range(max_tokens):
             tok = int(np.argmax(logits))
             if self.engine.is_eog(tok):
                 break
             out.append(tok)
             logits = ctl.step(tok)
-            peak = max(peak, ctl.live.size)
-        return out, peak
+        return out, ctl.stats.peak_cells
 
     def read(self, prompt: Sequence[int], question: Sequence[int] | None = None) -> np.ndarray:
         """Read ``prompt`` (which ends with ``question``, if one is known) the way the spec says; return the

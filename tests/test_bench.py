@@ -329,3 +329,21 @@ def test_plain_runs_hold_the_policies_mean_cells_over_no_whole_number_of_periods
     assert plain["live_cells"] == pytest.approx(np.mean(plain["prompt_tokens"] + np.arange(1, 13)), abs=1e-9)
     assert abs(plain["live_cells"] - policy) <= 0.5  # the plain prompt is a whole number of tokens
     assert SpeedSetup(64, ("streaming",), decode_tokens=12).policy_cells(8) == pytest.approx(policy, abs=1e-9)
+
+
+def test_speed_ratios_pair_the_rounds():
+    """A ratio of two medians took its sides from different rounds, which on a shared 2-core machine ran from 48 to
+    70 tok/s; each ratio is now the median of the rounds' own ratios. Known answer: a run 10% below trimmed in two of
+    three rounds (and 5% below in the third) is 0.90x, where the medians say 19 / 20 = 0.95x."""
+    from ahakv_local.bench import _rows
+
+    def rounds(rates: list[float]) -> list[tuple]:  # (prompt s, decode s, live cells) of 19 decoded tokens
+        return [(1.0, 19 / r, 100.0) for r in rates]
+
+    times = {"plain": rounds([10, 20, 30]), "trimmed": rounds([10, 20, 30]), "ahakv": rounds([9, 19, 27])}
+    rows = {r.label: r for r in _rows(times, dict.fromkeys(times, 100), dict.fromkeys(times, 1), 64, 19)}
+    a = rows["ahakv"]
+    assert a.decode_tps == pytest.approx(19) and a.decode_runs == pytest.approx([9, 19, 27])
+    assert a.ratio == pytest.approx(0.9) and a.ratio_trimmed == pytest.approx(0.9)
+    assert a.ratio_trimmed_range == pytest.approx((0.9, 0.95))
+    assert rows["trimmed"].ratio_trimmed == 1.0 and rows["plain"].ratio == 1.0

@@ -87,3 +87,19 @@ def test_an_item_has_its_key_whatever_else_the_run_asks(fixture_model, license_t
     wide = keys([300, 400], [0.1, 0.9], trials=2)
     assert keys([400], [0.9, 0.1]) == {(400, 0.9): wide[400, 0.9], (400, 0.1): wide[400, 0.1]}
     assert len(set(wide.values())) == 4 and all(k.isdigit() and len(k) == 5 for k in wide.values())
+
+
+def test_max_cells_is_the_most_the_cache_held(fixture_model, license_text, monkeypatch):
+    """max_cells was read after each prompt call, once its eviction had taken the cache back: a 64-token chunk on
+    top of the budget never showed. The reference: llama.cpp's own count of cells in use after every decode."""
+    held = []
+    decode = Engine.decode
+
+    def counted(self, tokens, all_logits=False):
+        rows = decode(self, tokens, all_logits)
+        held.append(self.n_used())
+        return rows
+
+    monkeypatch.setattr(Engine, "decode", counted)
+    [trial] = run_needle(fixture_model, license_text, [400], [0.5], [SessionSpec.bounded("h2o", 96)], n_threads=1)
+    assert trial.max_cells == max(held) > 96 + 1  # a chunk on top of what an eviction keeps
