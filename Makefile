@@ -7,6 +7,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ahakv-installed
 
 .PHONY: setup demo test bench lint
+# a bare `make` sets up everything, the engine too (it stopped at the package: the stamp, the first target)
+.DEFAULT_GOAL := setup
 
 # a .venv whose interpreter no longer runs (its Python removed, the checkout moved) is made again: the stamp and
 # `test -x` said it was there

@@ -231,7 +231,8 @@ def engine_options(f):
             default=None,
             envvar="AHAKV_BUDGET",
             help="KV budget: cells of a full-attention layer (512), a ratio of the tokens seen (0.25 or 25%), "
-            "auto, allocated KV bytes over every layer (16MiB), or none (over AHAKV_BUDGET: the full cache).",
+            "auto, allocated KV bytes over every layer (16MiB), or none (over AHAKV_BUDGET: the full cache). "
+            "Default: chat 1024, the others none.",
         ),
         click.option(
             "--layer-budgets",

@@ -132,9 +132,12 @@ class Devices:
         # one worker under two names (localhost and 127.0.0.1, a port 050100) would take a second connection,
         # which a worker serving one client at a time leaves waiting for ever
         self.workers = tuple(worker_address(ep) for ep in self.endpoints)
-        for ep, worker in zip(self.endpoints, self.workers, strict=True):
-            if self.workers.count(worker) > 1:
-                raise AhakvError(f"RPC worker listed twice: {ep} is {worker[0]}:{worker[1]}, as another address is")
+        for i, worker in enumerate(self.workers):
+            if worker in self.workers[:i]:
+                first = self.endpoints[self.workers.index(worker)]
+                raise AhakvError(
+                    f"RPC worker listed twice: {first} and {self.endpoints[i]} are both {worker[0]}:{worker[1]}"
+                )
         # every address before llama.cpp sees one (it aborts on a bad one); not those a live model of this
         # process is connected to: a worker serves one connection at a time, so a probe would wait there
         busy = {w for devices in _IN_USE for w in devices.workers}

@@ -463,3 +463,17 @@ def test_metal_off_macos_is_one_line_before_anything_is_fetched(monkeypatch):
     assert result.exit_code == 1 and result.output.strip().splitlines() == [
         "error: --metal builds only on macOS (Metal is Apple's): on this machine, --cuda or --vulkan"
     ], result.output
+
+
+def test_a_bare_make_sets_up_the_engine_too():
+    """README: "`make` installs everything". A bare `make` ran the first target, the package's stamp, and never
+    built the patched engine (`make setup`, `demo` and `test` did)."""
+    import shutil
+    from pathlib import Path
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    root = Path(__file__).resolve().parent.parent
+    planned = subprocess.run(["make", "-n"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert planned.returncode == 0, planned.stderr
+    assert "ahakv-local build" in planned.stdout, planned.stdout

@@ -189,9 +189,11 @@ def test_one_worker_under_two_names_is_refused(workers):
     """A second connection to a worker that serves one client at a time waits for ever: llama.cpp hung with
     127.0.0.1:P,localhost:P (or a port written 0P). Refused before any connection, in one line."""
     port = workers.split(",")[0].rsplit(":", 1)[1]
-    for twice in (f"127.0.0.1:{port},localhost:{port}", f"127.0.0.1:{port},127.0.0.1:0{port}"):
-        with pytest.raises(AhakvError, match=f"RPC worker listed twice: .* is 127.0.0.1:{port}"):
-            rpc.Devices(rpc.parse_servers(twice))
+    for first, second in ((f"127.0.0.1:{port}", f"localhost:{port}"), (f"127.0.0.1:{port}", f"127.0.0.1:0{port}")):
+        # both names said (the line named one of them twice: "... 127.0.0.1:P is 127.0.0.1:P, as another address is")
+        with pytest.raises(AhakvError) as refused:
+            rpc.Devices(rpc.parse_servers(f"{first},{second}"))
+        assert str(refused.value) == f"RPC worker listed twice: {first} and {second} are both 127.0.0.1:{port}"
 
 
 def test_layers_stay_local_with_ngl_0(workers, fixture_model, capfd):
