@@ -597,9 +597,10 @@ class KVController:
         check_floor(self.config, self.engine.cache_layout(), allocation, budget)
         if policy.evicts and (short := self._short_cache(budget)) is not None:
             label = int(budget.value) if budget.mode == "cells" else budget
+            room = f" and a guided reading's room of {self.config.room}" if self.config.room else ""
             raise AhakvError(
                 f"budget {label} does not fit the {short} allocated cells with a prompt chunk of "
-                f"{self.engine.config.n_ubatch}"
+                f"{self.engine.config.n_ubatch}{room}"
             )
 
     def _full_cache_cells(self) -> int:

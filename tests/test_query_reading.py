@@ -424,21 +424,28 @@ def test_surprisal_reading_evicts_by_each_phrases_surprisal_alone(fixture_model,
         assert pooled[gone].max() <= pooled[candidates].min() + 2 * bound
 
 
-def test_a_budget_raised_into_the_question_room_reads_chunks_instead_of_failing(fixture_model, license_text):
-    """A guided reading's spans take the room kept behind a chunk for the question; a budget raised into that room
-    (``set_budget`` allows the cells less a chunk and the newest token) leaves a span no room, so the prompt is read
-    a chunk at a time (compressed unguided where the question does not fit either) instead of overflowing the
-    cells."""
+def test_a_budget_raised_into_the_question_room_is_refused(fixture_model, license_text):
+    """A guided reading's spans take the room kept behind a chunk for the question. ``set_budget`` allowed a budget
+    raised into that room (the cells less a chunk and the newest token), whose prompts were then read a chunk at a
+    time, unguided, and whose adaptive re-splits laid the caches out for it and the room: past the memory the
+    session was opened with (chat's /budget 352 of 256 on Gemma: 513 cells a layer for 417). It is refused, naming
+    the room; the largest budget that keeps it reads in guided spans and holds it."""
     prompt = tokens_of(fixture_model, license_text, 600)
     spec = SessionSpec.bounded("ahakv", 96, n_recent=8, reading="query")
     with open_session(fixture_model, spec, longest=len(prompt), n_ubatch=64) as s:
         ctl, question = s.controller, s.engine.tokenize(QUESTION_TEXT, add_bos=False)
-        held = s.engine.n_cells() - 64 - 1
+        room, cells = ctl.config.room, s.engine.n_cells()
+        assert room > 0
+        with pytest.raises(AhakvError, match=rf"with a prompt chunk of 64 and a guided reading's room of {room}$"):
+            ctl.set_budget(Budget("cells", cells - 64 - 1))
+        held = cells - 64 - 1 - room
         ctl.set_budget(Budget("cells", held))
         pieces = []
         real_decode = ctl._decode
         ctl._decode = lambda t, w, a, observe=True: pieces.append(len(t)) or real_decode(t, w, a, observe)
         s.read(prompt, question)
-        assert pieces and max(pieces) == 64 and sum(pieces) == len(prompt)
+        # guided spans (a chunk and what the question leaves of the room behind it), each read as a chunk and the rest
+        span = ctl.read_span(question)
+        assert span > 64 and pieces[:2] == [64, span - 64] and sum(pieces) == len(prompt)
         live = s.engine.live_positions()
         assert np.array_equal(live, ctl.live) and s.engine.n_past == len(prompt) and live.size <= held
