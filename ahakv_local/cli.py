@@ -568,8 +568,9 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, **engine)
     model_info = read_info(path)
     if model_info.cut_short is not None:  # what its header says is still worth stating; loading it is not possible
         click.echo(f"note: {model_info.cut_short}: no command can load it", err=True)
-    if budget is None:
-        click.echo(describe(model_info, ctx_size, ubatch_size, None))
+    if budget is None:  # the full caches, in the K/V type a run without a budget would allocate (auto: f16)
+        full_type = kv_type if kv_type not in (None, KV_TYPE_AUTO) else "f16"
+        click.echo(describe(model_info, ctx_size, ubatch_size, None, full_type))
         return
     # what generate and serve allocate for that budget (Llama.__init__'s plan: their chunk, a question's room, their
     # K/V type, the layout for where their layers run)

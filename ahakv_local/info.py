@@ -335,11 +335,19 @@ def saving(baseline: int, allocated: int, who: str) -> str:
     return f"{times} less than {who} ({100 * (1 - allocated / baseline):.1f}% saved)"
 
 
-def describe(info: ModelInfo, context: int | None, n_ubatch: int = 512, at: BudgetAllocation | None = None) -> str:
+def describe(
+    info: ModelInfo,
+    context: int | None,
+    n_ubatch: int = 512,
+    at: BudgetAllocation | None = None,
+    kv_type: str = "f16",
+) -> str:
     """What ``info`` prints: the model's shape, the KV bytes of what a user would otherwise run at ``context``
-    positions (llama-cpp-python's default and, for a sliding-window model, llama.cpp's trimmed cache), and what
-    a budget really allocates, compared with both."""
+    positions (llama-cpp-python's default and, for a sliding-window model, llama.cpp's trimmed cache) with K and V
+    of ``kv_type`` (the full caches a run without a budget allocates in it: ``--budget none --kv-type q8_0``), and
+    what a budget really allocates, compared with both."""
     context = context or info.n_ctx_train
+    typed_name = kv_type.upper()
     lines = [
         f"model          {info.name} ({info.path.name}, {mib(info.file_bytes)})",
         f"architecture   {info.architecture}",
@@ -352,8 +360,8 @@ def describe(info: ModelInfo, context: int | None, n_ubatch: int = 512, at: Budg
         f"heads          {info.n_head} query, {info.n_head_kv} KV (head size {info.head_dim_k})",
         f"sliding window {info.sliding_window or 'none'}" + (" (a second KV cache)" if info.n_layer_swa else ""),
         f"trained ctx    {info.n_ctx_train:,} positions",
-        f"KV per token   {info.kv_bytes_per_token():,} bytes (F16 K and V, all layers)",
-        f"at {context:,} positions, F16:",
+        f"KV per token   {info.cell_bytes(info.n_layer, kv_type, kv_type):,} bytes ({typed_name} K and V, all layers)",
+        f"at {context:,} positions, {typed_name}:",
     ]
     baselines: list[tuple[str, int]] = []
     if info.n_layer_swa:
@@ -361,13 +369,13 @@ def describe(info: ModelInfo, context: int | None, n_ubatch: int = 512, at: Budg
             (True, "llama-cpp-python's default", "llama-cpp-python's default"),
             (False, "llama-server, llama-cli", "llama.cpp's trimmed cache"),
         ):
-            caches = info.caches(context, swa_full, n_ubatch)
+            caches = info.caches(context, swa_full, n_ubatch, kv_type, kv_type)
             parts = " + ".join(f"{c.name} {mib(c.bytes)} ({c.cells:,} cells x {c.n_layer} layers)" for c in caches)
             total = sum(c.bytes for c in caches)
             lines.append(f"KV swa_full={swa_full!s:<5} {mib(total)} = {parts} ({tools})")
             baselines.append((who, total))
     else:
-        (cache,) = info.caches(context, swa_full=True, n_ubatch=n_ubatch)
+        (cache,) = info.caches(context, swa_full=True, n_ubatch=n_ubatch, type_k=kv_type, type_v=kv_type)
         lines.append(
             f"KV full cache  {mib(cache.bytes)} ({cache.cells:,} cells x {cache.n_layer} layers; "
             "llama-cpp-python and llama.cpp alike)"

@@ -148,3 +148,21 @@ def test_used_bytes_count_each_caches_held_cells_at_its_own_price(swa_full):
         assert live["full"] == 300 and (live["sliding"] < 300) == (not swa_full)
         assert e.kv_bytes_used() == sum(live[n] * prices[n] for n in live)
         assert e.kv_bytes_used(LayerCache.SLIDING) == live["sliding"] * prices["sliding"]
+
+
+def test_info_without_a_budget_states_the_full_caches_in_the_kv_type_asked(gemma_model):
+    """`info --budget none --kv-type q8_0` printed F16 caches, where `generate --budget none --kv-type q8_0` allocates
+    q8_0 ones. The reference: what the engine allocates in q8_0 (llama-cpp-python's default, swa_full on)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "ahakv_local", "info", str(gemma_model), "-c", "4096", "--budget", "none",
+         "--kv-type", "q8_0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    allocated = sum(b for *_, b in engine_caches(gemma_model, 4096, True, 512, type_k="q8_0", type_v="q8_0",
+                                                  flash_attn=True))  # fmt: skip
+    assert f"KV swa_full=True  {allocated / MIB:.1f} MiB" in proc.stdout, proc.stdout
+    assert "at 4,096 positions, Q8_0:" in proc.stdout and "(Q8_0 K and V, all layers)" in proc.stdout
