@@ -895,6 +895,7 @@ class KVController:
             verr=stats.values.get(TapFlag.VERR),
             vnorm=stats.values.get(TapFlag.VNORM),
             words=self.words.words(positions) if self._guided else None,
+            room=self.config.evict_every - 1,
         )
 
     # -- eviction ------------------------------------------------------------------------------------

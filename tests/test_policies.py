@@ -289,3 +289,27 @@ def test_a_setting_of_the_wrong_kind_is_refused_by_name():
     with pytest.raises(AhakvError, match="policy ahakv's weight_smoothing must be of type float, not True"):
         make_policy("ahakv", weight_smoothing=True)
     assert make_policy("ahakv", r=np.int64(16), weight_smoothing=1).r == 16
+
+
+@pytest.mark.parametrize("room", [0, 31])
+@pytest.mark.parametrize("split", ["eviction", "peak"])
+def test_h2o_splits_the_budget_in_heavy_hitters_and_recent_tokens(split, room):
+    """H2O's cache holds heavy hitters and recent tokens half and half at every step (papers.md: "evenly assigns the
+    caching budget"). Evicting every 32 steps, an eviction leaves 31 cells free for the steps to come, which one of
+    the halves goes without: the recent tokens ("peak": 64 heavy hitters, 33 recent at 128 cells, as many of each
+    when the cache is back at the budget) or the heavy hitters ("eviction", the default: 64 recent, 33 heavy). Every
+    step evicting (room 0), both are H2O's own 64 and 64."""
+    n, budget = 200, 128
+    rng = np.random.default_rng(1)
+    attn = rng.dirichlet(np.ones(n), size=(1, 2)).astype(np.float32)  # [L=1, H=2, n]
+    obs = Observation(np.arange(n), n, 1, budget, np.ones((1, n), dtype=bool), attn=attn, room=room)
+    policy = make_policy("h2o", split=split)
+    policy.observe(obs)
+    kept = np.argsort(-policy.score(obs), kind="stable")[: budget - room]
+    n_heavy = 64 if split == "peak" else 64 - room
+    recent = kept[kept >= n - (budget - room - n_heavy)]
+    assert recent.size == budget - room - n_heavy and kept.size - recent.size == n_heavy
+    # the heavy hitters are the largest sums of attention among the older positions
+    older = np.arange(n - recent.size)
+    heavy = older[np.argsort(-attn.mean(axis=1)[0, older], kind="stable")[:n_heavy]]
+    assert set(kept) - set(recent) == set(heavy)

@@ -37,6 +37,9 @@ class Observation:
     verr: np.ndarray | None = None  # float32 [L, H, n]: sum of a * ||v - o||
     vnorm: np.ndarray | None = None  # float32 [L, H_kv, n]: ||v||
     words: np.ndarray | None = None  # int64 [n]: the first position of each position's word (words.py; guided reads)
+    # cells an eviction leaves free below ``budget`` for the steps until the next one (evict_every - 1): it keeps
+    # budget - room, and the cache is back at the budget when the next eviction comes
+    room: int = 0
 
     @property
     def n(self) -> int:
