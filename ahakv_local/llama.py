@@ -240,13 +240,16 @@ class Llama(llama_cpp.Llama):
         self._chat_question: str | None = None
         if kv_type == KV_TYPE_AUTO and kwargs.get("flash_attn") is False:
             kv_type = "f16"  # a quantized V needs flash attention
+        if kwargs.get("vocab_only") and kv_budget is not None:
+            raise ValueError("vocab_only loads the tokenizer alone: a KV budget needs the model's layers")
         if kv_budget is None:
             make_policy(kv_policy)  # an unknown name is refused with or without a budget (the policy acts with one)
             if kv_type not in (None, KV_TYPE_AUTO):  # "auto" spends a budget: without one, f16 as by default
                 self._use_kv_type(model_path, kv_type, kwargs)
             check_cells(model_path, n_ctx, None)
             self._load(model_path, n_ctx=n_ctx, n_batch=n_batch, **kwargs)
-            self._kv_engine = Engine.attach(self)
+            # a vocab-only model has no layers to describe (llama.cpp aborted the process on their head count)
+            self._kv_engine = None if kwargs.get("vocab_only") else Engine.attach(self)
             upstream.set_position_bound(self, self._n_ctx)  # llama.cpp padded the context: hold all of it
             return
 
@@ -341,6 +344,8 @@ class Llama(llama_cpp.Llama):
     @property
     def kv_engine(self) -> Engine:
         """The engine view of this Llama's model and context (shapes, cell maps, statistics)."""
+        if self._kv_engine is None:
+            raise ValueError("a vocab_only model has no layers and no KV cache")
         return self._kv_engine
 
     def n_ctx(self) -> int:
@@ -632,7 +637,7 @@ class Llama(llama_cpp.Llama):
 
     def kv_stats(self) -> KVStats:
         """Cells used and budget, tokens seen, evicted, retention, KV buffer, prompt and generation speed."""
-        t, engine = self._timing, self._kv_engine
+        t, engine = self._timing, self.kv_engine
         stats = self._kv.stats if self._kv is not None else ControllerStats(self.n_tokens, None, self.n_tokens)
         return KVStats(
             cells_used=stats.cells_used,

@@ -50,18 +50,20 @@ class Sampling:
             logits[ids] -= self.presence_penalty + self.frequency_penalty * n
         if self.temperature == 0:
             return int(np.argmax(logits))
+        # llama-cpp-python's chain (_init_sampler): top-k, then top-p and min-p on the probabilities at temperature 1,
+        # then the temperature (top-p took the tempered ones: at 2 it kept tokens llama-cpp-python cuts, below 1 fewer)
         k = min(self.top_k or logits.size, logits.size)
         top = np.argpartition(-logits, k - 1)[:k]
         top = top[np.argsort(-logits[top], kind="stable")]
         z = logits[top].astype(np.float64)
+        p = np.exp(z - z[0])
+        keep = int(np.searchsorted(np.cumsum(p / p.sum()), self.top_p)) + 1
+        top, z = top[:keep], z[:keep]
         if self.min_p > 0:  # p / p_max = exp(z - z_max), as llama.cpp's min-p sampler compares them
             kept = int(np.count_nonzero(z >= z[0] + np.log(self.min_p)))
             top, z = top[:kept], z[:kept]
-        p = np.exp((z - z.max()) / self.temperature)  # shifted first: a tiny temperature divided to inf, then NaN
-        p /= p.sum()
-        keep = int(np.searchsorted(np.cumsum(p), self.top_p)) + 1
-        p = p[:keep] / p[:keep].sum()
-        return int(rng.choice(top[:keep], p=p))
+        p = np.exp((z - z[0]) / self.temperature)  # shifted first: a tiny temperature divided to inf, then NaN
+        return int(rng.choice(top, p=p / p.sum()))
 
 
 def stop_prefix(text: str, stops: tuple[str, ...]) -> int:
@@ -205,11 +207,13 @@ class SequencePool:
         if len(gen.tokens) >= gen.sampling.max_tokens or self.controllers[seq].engine.n_past + 1 >= e.n_ctx_train:
             self._finish(seq, text[gen.sent :], "length")
             return
-        # hold back what could begin a stop string (the text's longest end that begins one), and an unfinished UTF-8
-        # character
-        ready = len(text) - stop_prefix(text, gen.sampling.stop)
-        while ready > gen.sent and text[ready - 1] == "\ufffd":
-            ready -= 1
+        # hold back an unfinished UTF-8 character, and what could begin a stop string before it (the text's longest
+        # end that begins one: taken of the text with the unfinished character, none matched, and the "a" of a stop
+        # string "a𓀀" went out before its character was whole)
+        whole = len(text)
+        while whole > gen.sent and text[whole - 1] == "\ufffd":
+            whole -= 1
+        ready = whole - stop_prefix(text[:whole], gen.sampling.stop)
         if ready > gen.sent:
             gen.emit(text[gen.sent : ready], None)
             gen.sent = ready

@@ -758,3 +758,23 @@ def test_a_draft_model_under_a_budget_is_refused_before_loading(fixture_model):
         Llama(str(fixture_model), kv_budget=64, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=4), verbose=False)
     with Llama(str(fixture_model), draft_model=LlamaPromptLookupDecoding(num_pred_tokens=4), verbose=False) as llm:
         assert llm("one two one two one two", max_tokens=4, temperature=0)["usage"]["completion_tokens"] == 4
+
+
+def test_a_vocab_only_model_tokenizes_as_upstream(gemma_model):
+    """``Llama(path, vocab_only=True)`` (a tokenizer alone, as apps load one) aborted the process: the engine view asked
+    llama.cpp for the head count of a model without layers. It tokenizes as llama_cpp.Llama does; a budget, which
+    needs the layers, is refused in one line."""
+    text = "Hello world, a tokenizer alone: 𓀀 ünïcode"
+    upstream_llm = llama_cpp.Llama(str(gemma_model), vocab_only=True, verbose=False)
+    llm = Llama(str(gemma_model), vocab_only=True, verbose=False)
+    try:
+        tokens = llm.tokenize(text.encode())
+        assert tokens == upstream_llm.tokenize(text.encode()) and len(tokens) > 5
+        assert llm.detokenize(tokens).decode() == upstream_llm.detokenize(tokens).decode()
+        with pytest.raises(ValueError, match="a vocab_only model has no layers and no KV cache"):
+            llm.kv_stats()
+    finally:
+        llm.close()
+        upstream_llm.close()
+    with pytest.raises(ValueError, match="vocab_only loads the tokenizer alone: a KV budget needs the model's layers"):
+        Llama(str(gemma_model), vocab_only=True, kv_budget=256, verbose=False)

@@ -146,6 +146,26 @@ def test_sampling_top_k_min_p_and_a_random_seed(fixture_model):
         assert state_of(RANDOM_SEED) != state_of(RANDOM_SEED)
 
 
+def test_top_p_takes_the_probabilities_before_the_temperature():
+    """llama-cpp-python chains top-k, top-p, min-p, then the temperature: top-p cuts the probabilities at temperature 1.
+    The parallel sampler cut the tempered ones. Known answers for logits [1.5, 1.0, 0.0]: at temperature 1 their
+    probabilities are 0.547, 0.332, 0.122, so top-p 0.5 keeps the first token alone (it drew the second 44% of the
+    time at temperature 2) and top-p 0.85 the first two, drawn at temperature 2 as exp(0.75) : exp(0.5)."""
+    logits = np.array([1.5, 1.0, 0.0] + [-30.0] * 5, dtype=np.float32)
+    rng = np.random.default_rng(0)
+
+    def drawn(top_p: float, n: int) -> Counter:
+        s = Sampling(max_tokens=1, temperature=2.0, top_p=top_p, top_k=40, min_p=0.0)
+        return Counter(s.pick(logits, Counter(), rng) for _ in range(n))
+
+    assert drawn(0.5, 300) == Counter({0: 300})
+    two = drawn(0.85, 4000)
+    assert set(two) == {0, 1}
+    p0 = np.exp(0.75) / (np.exp(0.75) + np.exp(0.5))  # 0.562
+    # within 4 binomial standard deviations of 4,000 draws (0.031)
+    assert abs(two[0] / 4000 - p0) < 4 * np.sqrt(p0 * (1 - p0) / 4000)
+
+
 def test_a_stream_holds_back_only_what_may_begin_a_stop_string():
     stops = ("\nAssistant:", "###")
     assert stop_prefix("Hello there", stops) == 0  # it held 10 characters back whatever the text
