@@ -313,3 +313,24 @@ def test_h2o_splits_the_budget_in_heavy_hitters_and_recent_tokens(split, room):
     older = np.arange(n - recent.size)
     heavy = older[np.argsort(-attn.mean(axis=1)[0, older], kind="stable")[:n_heavy]]
     assert set(kept) - set(recent) == set(heavy)
+
+
+def test_ahakv_error_model_is_an_estimate_below_the_truth_where_values_cancel():
+    """``predicted_error`` divides by sum_j a_j ||v_j||, an upper bound on ||o||, so it is no bound on the relative
+    change (its docstring called it one). Known answer, one head, two values that nearly cancel: v1 = (1, 0),
+    v2 = (-1, 0.1), a = (0.5, 0.5), so o = (0, 0.05). Evicting v1 leaves o' = v2: ||o - o'|| / ||o|| = 20.02, where
+    the prediction, a1 ||v1 - o|| / ((1 - a1) sum_j a_j ||v_j||), is about 1.0."""
+    v = np.array([[1.0, 0.0], [-1.0, 0.1]])
+    a = np.array([0.5, 0.5])
+    o = a @ v
+    true = np.linalg.norm(o - v[1]) / np.linalg.norm(o)
+    obs = Observation(
+        positions=np.arange(2), n_seen=2, n_rows=1, budget=1, visible=np.ones((1, 2), dtype=bool),
+        attn=a.reshape(1, 1, 2).astype(np.float32),
+        verr=(a * np.linalg.norm(v - o, axis=1)).reshape(1, 1, 2).astype(np.float32),
+        vnorm=np.linalg.norm(v, axis=1).reshape(1, 1, 2).astype(np.float32),
+    )  # fmt: skip
+    predicted = make_policy("ahakv", holistic_weights=False).predicted_error(obs, np.array([0]))[0]
+    expected = a[0] * np.linalg.norm(v[0] - o) / ((1 - a[0]) * (a @ np.linalg.norm(v, axis=1)))
+    assert true == pytest.approx(np.sqrt(1 + 0.05**2) / 0.05)  # 20.02
+    assert predicted == pytest.approx(expected, rel=1e-5) and predicted < true / 10
