@@ -243,6 +243,7 @@ class KVController:
         self.words = WordMap(piece)
         self.spans = WordMap(piece, joins=not_space)  # runs of text between spaces, for reconstruction
         self._guided = False  # a prompt is being read under guidance (Observation.words are given then only)
+        self._surprisal_row: np.ndarray | None = None  # the last row of a surprisal read's piece (``prefill``)
 
     @property
     def live(self) -> np.ndarray:
@@ -373,7 +374,11 @@ class KVController:
         if asked:
             query = list(query)[-QUERY_TOKENS:]
         self._reading(use_query)
-        rows, before, i = [], None, 0
+        # surprisal: the row that predicts this piece's first token, where it goes on a prompt read in pieces (the
+        # drop-in's n_batch, the parallel server's): each piece's first token took its chunk's mean, so the same
+        # prompt was compressed otherwise as its pieces were cut
+        rows, before, i = [], self._surprisal_row if by_surprisal else None, 0
+        self._surprisal_row = None
         try:
             while i < len(tokens):
                 # a span is decoded a chunk at a time, and only its last chunk observed: the guided policies score
@@ -402,6 +407,8 @@ class KVController:
                 self.evict(self.read_query(tail) if tail else None)
         finally:
             self._reading(False)
+        if by_surprisal and not ends_prompt:
+            self._surprisal_row = before
         return np.concatenate(rows) if all_logits else rows[-1]
 
     def _asks(self, query: Sequence[int] | Reconstruct | Surprisal | None) -> bool:
@@ -434,6 +441,7 @@ class KVController:
         """Read one of ``prompt_pieces``: a single token is a decode step (evicting on the step schedule), more are
         ``prefill``'s; the logits of its last token."""
         if len(piece) == 1:
+            self._surprisal_row = None  # (the step decodes the position the row predicted)
             return self.step(piece[0])
         return self.prefill(piece, query=query, ends_prompt=ends_prompt)
 
@@ -761,6 +769,7 @@ class KVController:
             self.shares.restart(0)
             self._hold(self.allocation(self.config.budget))
         self._pending = 0  # the summed rows may include forgotten positions' queries: drop them
+        self._surprisal_row = None  # (a piece's last row: it predicted a position the rewind may replace)
         self.stats.tokens_seen = n
         if n == 0:
             self.stats.peak_cells = 0

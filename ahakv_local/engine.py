@@ -515,6 +515,18 @@ class Engine:
         logits = np.concatenate(rows)
         return logits if all_logits else logits[-1]
 
+    def put_last_logits(self, row: np.ndarray) -> None:
+        """Write ``row`` where llama.cpp keeps the last decode's last logits (``llama_get_logits_ith(ctx, -1)``, which
+        llama-cpp-python's sampler reads): a guide decoded after a prompt (a reconstruction's repetition) left its own
+        there, and the first token was sampled from them."""
+        row = np.ascontiguousarray(row, dtype=np.float32)
+        if row.shape != (self.n_vocab,):
+            raise ValueError(f"a row of logits has {self.n_vocab} entries, not {row.shape}")
+        target = self._llama_cpp.llama_get_logits_ith(self.ctx, -1)
+        if not target:
+            raise RuntimeError("llama.cpp holds no logits to replace (nothing decoded)")
+        ctypes.memmove(target, address(row, np.float32), row.nbytes)
+
     def _fill(self, rows: Sequence[tuple[int, int, int, bool]]) -> None:
         """Put (token, position, sequence, wants logits) rows into the llama_batch."""
         b = self._batch.batch

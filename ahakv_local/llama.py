@@ -445,15 +445,18 @@ class Llama(llama_cpp.Llama):
             tokens = [int(t) for t in self.input_ids[resume : self.n_tokens]] + tokens
             self.n_tokens = resume
         kv.truncate(self.n_tokens)  # positions >= n_tokens are being replaced
+        last = None
         for i, (chunk, ends_prompt) in enumerate(kv.prompt_pieces(tokens, self._kv_guide, self.n_batch)):
             if i and self.should_stop():  # between prompt chunks too: a long prompt need not be read to the end
                 raise Stopped
             t0 = time.perf_counter()
-            kv.read_piece(chunk, self._kv_guide, ends_prompt)
+            last = kv.read_piece(chunk, self._kv_guide, ends_prompt)
             self._count(len(chunk), time.perf_counter() - t0)
             self.input_ids[self.n_tokens : self.n_tokens + len(chunk)] = chunk
             self.n_tokens += len(chunk)
             self._requires_eval = False
+        if last is not None:  # the sampler reads llama.cpp's last logits: the prompt's, not a guide's decoded after it
+            self._kv_engine.put_last_logits(last)
 
     def generate(self, tokens: Sequence[int], *args, **kwargs):
         reset = kwargs.get("reset", args[6] if len(args) > 6 else True)  # False: ``tokens`` go after what is cached

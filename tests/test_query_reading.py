@@ -18,7 +18,7 @@ from ahakv_local.needle import NEEDLE, QUESTION, build_prompt
 from ahakv_local.session import SessionSpec, open_session
 from ahakv_local.words import not_space
 
-from numerics import F32
+from numerics import F32, FORWARD_RTOL
 from reference import window_mean, word_max, word_starts
 
 QUESTION_TEXT = " Which license is this, and which version?"
@@ -449,3 +449,51 @@ def test_a_budget_raised_into_the_question_room_is_refused(fixture_model, licens
         assert span > 64 and pieces[:2] == [64, span - 64] and sum(pieces) == len(prompt)
         live = s.engine.live_positions()
         assert np.array_equal(live, ctl.live) and s.engine.n_past == len(prompt) and live.size <= held
+
+
+@pytest.mark.parametrize("reading", ["reconstruct", "surprisal", True])
+def test_the_drop_in_samples_from_the_prompts_own_logits(fixture_model, license_text, reading):
+    """A reconstruction decodes a repetition behind the prompt's last chunk, which left its own logits where llama.cpp
+    keeps the last ones, and llama-cpp-python's sampler read them: the first token came from the repetition. With
+    nothing evicted (a budget over the prompt) every reading must sample from what a plain read gives."""
+    seen = {}
+    for query in (False, reading):
+        llm = Llama(str(fixture_model), kv_budget=300, kv_policy="snapkv", kv_query=query, n_ctx=2048, n_batch=64,
+                    n_ubatch=64, verbose=False)  # fmt: skip
+        try:
+            tokens = llm.tokenize(license_text[:1000].encode())[:120]
+            rows: list[np.ndarray] = []
+
+            def kept(ids, scores, rows=rows):
+                rows.append(np.array(scores))
+                return scores
+
+            llm.create_completion(tokens, max_tokens=1, temperature=0.0, logits_processor=[kept])
+            assert llm.kv_controller.stats.evicted == 0
+            seen[query] = rows[0]
+        finally:
+            llm.close()
+    # the same positions, the guided reading's in other cells (a guide's cells were freed between chunks): the sums
+    # over them in another order, within the forward pass's rounding of the largest entry (it was another row)
+    np.testing.assert_allclose(seen[reading], seen[False], rtol=0, atol=FORWARD_RTOL * np.abs(seen[False]).max())
+
+
+@pytest.mark.parametrize("n_batch", [64, 128])
+def test_a_surprisal_reading_in_pieces_keeps_what_one_read_keeps(fixture_model, license_text, n_batch):
+    """The drop-in and the parallel server read a prompt in pieces of n_batch (``prompt_pieces``). A surprisal read
+    gave each piece's first token its chunk's mean surprisal (nothing carried the row that predicted it), so the same
+    prompt under the same spec was compressed otherwise as its pieces were cut. The reference: one ``prefill``, in
+    chunks of 64, which pieces of whole chunks compress at the same points."""
+    from ahakv_local.controller import Surprisal
+
+    spec = SessionSpec.bounded("ahakv", 96, n_recent=8, reading="surprisal")
+    with open_session(fixture_model, spec, longest=500, n_ubatch=64) as s:
+        tokens = tokens_of(fixture_model, license_text, 400)
+        ctl = s.controller
+        ctl.prefill(tokens, query=Surprisal())
+        whole, scored = ctl.live.copy(), ctl.groups[0].best[:400].copy()
+        s.reset()
+        for piece, ends in ctl.prompt_pieces(tokens, Surprisal(), n_batch):
+            ctl.read_piece(piece, Surprisal(), ends)
+        np.testing.assert_array_equal(ctl.groups[0].best[:400], scored)
+        np.testing.assert_array_equal(ctl.live, whole)
