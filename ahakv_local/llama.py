@@ -36,7 +36,14 @@ import numpy as np
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from . import rpc, upstream
-from .budget import KV_TYPE_AUTO, QUESTION_AGNOSTIC, Budget, check_trained_context, default_layer_budgets
+from .budget import (
+    KV_TYPE_AUTO,
+    QUESTION_AGNOSTIC,
+    Budget,
+    check_trained_context,
+    default_layer_budgets,
+    guide_room,
+)
 from .controller import ControllerStats, KVController
 from .engine import Engine, clear_next_caches, kv_type_params, set_next_caches
 from .errors import AhakvError
@@ -371,6 +378,13 @@ class Llama(llama_cpp.Llama):
         if self._kv is None or not query:
             self._kv_guide = None
             return
+        if query == "reconstruct" and (needs := guide_room(query, self._kv_engine.config.n_ubatch)) > (
+            room := self._kv.config.room
+        ):  # (read plainly once the cache was full: most chunks went without it)
+            raise AhakvError(
+                f"kv_query 'reconstruct' decodes a repetition of {needs} tokens beside each chunk, and this Llama's "
+                f"caches keep {room}: open it with kv_query='reconstruct' (or kv_reuse_compressed=True)"
+            )
         if query in QUESTION_AGNOSTIC:
             self._kv_guide = guide(query, None, self._kv_engine)
             return

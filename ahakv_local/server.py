@@ -50,7 +50,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
-from .budget import Budget
+from .budget import Budget, guide_room
 from .errors import AhakvError
 from .llama import Llama, Stopped, llama_response_format
 from .parallel import Generation, Sampling, SequencePool, prompt_of
@@ -345,10 +345,11 @@ def usage_chunk(last: dict, usage: dict) -> dict:
     return {**{k: last[k] for k in ("id", "object", "created", "model")}, "choices": [], "usage": usage}
 
 
-def check_kv_query(query: bool | str | None, policy: Policy | None) -> None:
+def check_kv_query(query: bool | str | None, policy: Policy | None, room: int = 0, chunk: int = 0) -> None:
     """Refuse a request's kv_query that nothing would read (a 200 that dropped it, as the CLI refuses --query): any
-    without a budget, a question or a reconstruction with a policy that has no question score. surprisal reads with
-    any policy."""
+    without a budget, a question or a reconstruction with a policy that has no question score, a reconstruction in
+    caches that keep no room for its repetition (``room``: what they keep beside a chunk of ``chunk``; read plainly
+    once the cache was full, most chunks went without it). surprisal reads with any policy."""
     if query is None or query is False:
         return
     if policy is None:
@@ -358,6 +359,11 @@ def check_kv_query(query: bool | str | None, policy: Policy | None) -> None:
         shown = shown if len(shown) <= 40 else "a question"
         raise AhakvError(
             f"kv_query {shown} needs a policy that reads with a question ({query_readers()}), not {policy.name}"
+        )
+    if query == "reconstruct" and (needs := guide_room("reconstruct", chunk)) > room:
+        raise AhakvError(
+            f'kv_query "reconstruct" decodes a repetition of {needs} tokens beside each chunk, and this server\'s '
+            f"caches keep {room}: start it with --reading reconstruct"
         )
 
 
@@ -526,7 +532,8 @@ class SerialRunner:
         """Apply a request's kv_budget / kv_policy once both pass every check; restore the server's after."""
         kv = self.llm.kv_controller
         asked = make_policy(req.kv_policy) if req.kv_policy is not None else None
-        check_kv_query(req.kv_query, asked if asked is not None else kv.policy if kv is not None else None)
+        room, chunk = (kv.config.room, kv.engine.config.n_ubatch) if kv is not None else (0, 0)
+        check_kv_query(req.kv_query, asked if asked is not None else kv.policy if kv is not None else None, room, chunk)
         if req.kv_budget is None and req.kv_policy is None:
             yield
             return
@@ -661,7 +668,8 @@ class ParallelRunner:
             budget = None
             if req.kv_budget is not None:
                 budget = Budget.parse(req.kv_budget)
-            check_kv_query(req.kv_query, self.pool.check(budget, req.kv_policy)[1])
+            chunk = self.pool.engine.config.n_ubatch
+            check_kv_query(req.kv_query, self.pool.check(budget, req.kv_policy)[1], self.pool.spec.room(chunk), chunk)
             sampling = Sampling(
                 max_tokens=kw["max_tokens"],
                 temperature=req.temperature,

@@ -603,8 +603,9 @@ def test_a_loaded_state_answers_alike_whatever_the_llama_read_before(fixture_mod
     words = license_text.split()
 
     def llama() -> Llama:
+        # (caches with a reconstruction's room: the used one reads a sequence by reconstruction first)
         return Llama(str(fixture_model), kv_budget=64, kv_recent=8, kv_layer_budgets="shared", n_batch=32,
-                     n_threads=1, verbose=False)  # fmt: skip
+                     kv_query="reconstruct", n_threads=1, verbose=False)  # fmt: skip
 
     with llama() as src:
         src.eval(src.tokenize(" ".join(words[:300]).encode()))
@@ -778,3 +779,16 @@ def test_a_vocab_only_model_tokenizes_as_upstream(gemma_model):
         upstream_llm.close()
     with pytest.raises(ValueError, match="vocab_only loads the tokenizer alone: a KV budget needs the model's layers"):
         Llama(str(gemma_model), vocab_only=True, kv_budget=256, verbose=False)
+
+
+def test_a_reconstruction_asked_of_caches_without_its_room_is_refused(fixture_model):
+    """A Llama opened for questions (its caches keep a question's room) and asked to reconstruct a prompt read most
+    chunks plainly once the cache was full, without a word; a server refuses it as a 400. Refused here too, naming
+    how to open a Llama that reconstructs (known answer: a chunk of 32 and a repetition of 32 tokens)."""
+    with Llama(str(fixture_model), kv_budget=64, kv_recent=8, n_batch=32, verbose=False) as llm:
+        with pytest.raises(AhakvError, match=r"kv_query 'reconstruct' decodes a repetition of 64 tokens beside each "):
+            llm.create_completion("a prompt", max_tokens=1, kv_query="reconstruct")
+        assert llm.create_completion("a prompt", max_tokens=1, kv_query="surprisal")["choices"]
+    opened = dict(kv_budget=64, kv_recent=8, n_batch=32, kv_reuse_compressed=True, verbose=False)
+    with Llama(str(fixture_model), **opened) as llm:
+        assert llm.create_completion("a prompt", max_tokens=1, kv_query="reconstruct")["choices"]

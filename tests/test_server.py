@@ -651,6 +651,12 @@ def test_per_request_question_guides_a_long_prompt(client, server):
         ]
         == 200
     )
+    # a reconstruction in caches laid out for a question's room was read plainly once the cache was full (3 of 16
+    # chunks reconstructed, a 200): it needs the room its repetition takes
+    status, body = call(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "kv_query": "reconstruct"})
+    assert status == 400, body
+    assert body["error"]["message"].startswith('kv_query "reconstruct" decodes a repetition of 96 tokens beside each')
+    assert body["error"]["message"].endswith("start it with --reading reconstruct")
 
 
 def test_a_chat_request_asking_kv_query_true_is_guided_by_its_last_user_message(client, server):

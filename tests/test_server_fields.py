@@ -211,3 +211,17 @@ def test_a_body_that_is_not_json_says_so(fixture_model):
             assert answer.value.code == 400 and message == (
                 f"the body must be a JSON object, sent as Content-Type: application/json (it was {sent})"
             )
+
+
+def test_a_reconstruction_needs_the_room_of_its_repetition():
+    """The room of a question (64 cells beside a chunk of 64) holds no repetition (32 tokens and the chunk again):
+    such a request was read plainly once the cache was full. Known answers from ``guide_room``."""
+    from ahakv_local.errors import AhakvError
+    from ahakv_local.policies import make_policy
+    from ahakv_local.server import check_kv_query
+
+    ahakv = make_policy("ahakv")
+    check_kv_query("reconstruct", ahakv, room=96, chunk=64)  # a server started with --reading reconstruct
+    check_kv_query("Who may copy it?", ahakv, room=64, chunk=64)  # a question fits the question's room
+    with pytest.raises(AhakvError, match='kv_query "reconstruct" decodes a repetition of 96 tokens .* keep 64'):
+        check_kv_query("reconstruct", ahakv, room=64, chunk=64)
