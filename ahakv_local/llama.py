@@ -44,7 +44,7 @@ from .budget import (
     default_layer_budgets,
     guide_room,
 )
-from .controller import ControllerStats, KVController
+from .controller import ControllerStats, KVController, Reconstruct
 from .engine import Engine, clear_next_caches, kv_type_params, set_next_caches
 from .errors import AhakvError
 from .info import check_kv_types, read_info, reading_headers_once
@@ -469,7 +469,10 @@ class Llama(llama_cpp.Llama):
             self.input_ids[self.n_tokens : self.n_tokens + len(chunk)] = chunk
             self.n_tokens += len(chunk)
             self._requires_eval = False
-        if last is not None:  # the sampler reads llama.cpp's last logits: the prompt's, not a guide's decoded after it
+        if last is not None and isinstance(self._kv_guide, Reconstruct):
+            # a reconstruction decodes its repetition after the prompt's last chunk too, and the sampler reads
+            # llama.cpp's last logits: the prompt's go back there (the other readings decode nothing after it, and a
+            # copy of the vocabulary's row at every sampled token would cost decode time for nothing)
             self._kv_engine.put_last_logits(last)
 
     def generate(self, tokens: Sequence[int], *args, **kwargs):
