@@ -22,7 +22,7 @@ from typing import NamedTuple
 import click
 
 from . import upstream
-from .budget import Budget
+from .budget import Budget, guide_room
 from .errors import AhakvError
 from .llama import Llama, Stopped
 from .paths import cache_dir
@@ -239,10 +239,13 @@ class ChatSession:
         if n and list(llm.input_ids[:n]) != tokens[:n]:  # the cache does not hold this history: read it all
             llm.reset()
             n = 0
-        if llm.kv_controller is not None:
+        if (kv := llm.kv_controller) is not None:
             # a policy no question can guide reads it by surprisal (any policy can): better than plainly at 4x
-            # (benchmarks/RESULTS.md, issue 12), the reconstruction stays for the others (better at 8x)
-            llm.set_kv_query("reconstruct" if llm.kv_controller.policy.reads_with_query else "surprisal")
+            # (benchmarks/RESULTS.md, issue 12), the reconstruction stays for the others (better at 8x) where the caches
+            # keep its repetition's room (the chat opens them so: kv_reuse_compressed; a Llama opened for questions
+            # would refuse it)
+            room = guide_room("reconstruct", kv.engine.config.n_ubatch) <= kv.config.room
+            llm.set_kv_query("reconstruct" if kv.policy.reads_with_query and room else "surprisal")
         llm.should_stop = stop
         try:
             llm.eval(tokens[n:])
