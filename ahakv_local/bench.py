@@ -297,8 +297,8 @@ def _rows(times: dict, prompts: dict, kv_bytes: dict, budget: int, decoded: int)
     by_label = {row.label: row for row in rows}
     for row in rows:
         row.ratio = paired_ratio(row.decode_runs, by_label["plain"].decode_runs)[0]
-        row.ratio_trimmed, *spread = paired_ratio(row.decode_runs, by_label["trimmed"].decode_runs)
-        row.ratio_trimmed_range = tuple(spread)
+        row.ratio_trimmed, low, high = paired_ratio(row.decode_runs, by_label["trimmed"].decode_runs)
+        row.ratio_trimmed_range = (low, high)
     return rows
 
 

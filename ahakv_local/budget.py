@@ -162,6 +162,14 @@ def guide_room(reading: str, chunk: int) -> int:
     return {"query": min(QUERY_ROOM, chunk), "reconstruct": REPEAT_TOKENS + chunk}.get(reading, 0)
 
 
+def room_short(reading: str, chunk: int, room: int) -> int | None:
+    """The cells ``reading`` decodes beside a chunk of ``chunk`` where caches that keep ``room`` beside it hold fewer
+    (None: they hold it). Such a reading went without its guide once the cache was full, read plainly without a word:
+    a reconstruction in caches laid out for a question's room."""
+    needs = guide_room(reading, chunk)
+    return needs if needs > room else None
+
+
 def cells_for(budget: Budget, chunk: int, longest: int, room: int = 0) -> int:
     """KV cells to allocate for a sequence under ``budget`` that is read ``chunk`` tokens at a time and is
     at most ``longest`` tokens long: a cell budget needs itself, one chunk on top (the cache is compressed

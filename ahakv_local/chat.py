@@ -22,7 +22,7 @@ from typing import NamedTuple
 import click
 
 from . import upstream
-from .budget import Budget, guide_room
+from .budget import Budget, room_short
 from .errors import AhakvError
 from .llama import Llama, Stopped
 from .paths import cache_dir
@@ -244,7 +244,7 @@ class ChatSession:
             # (benchmarks/RESULTS.md, issue 12), the reconstruction stays for the others (better at 8x) where the caches
             # keep its repetition's room (the chat opens them so: kv_reuse_compressed; a Llama opened for questions
             # would refuse it)
-            room = guide_room("reconstruct", kv.engine.config.n_ubatch) <= kv.config.room
+            room = room_short("reconstruct", kv.engine.config.n_ubatch, kv.config.room) is None
             llm.set_kv_query("reconstruct" if kv.policy.reads_with_query and room else "surprisal")
         llm.should_stop = stop
         try:

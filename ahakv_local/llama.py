@@ -42,7 +42,7 @@ from .budget import (
     Budget,
     check_trained_context,
     default_layer_budgets,
-    guide_room,
+    room_short,
 )
 from .controller import ControllerStats, KVController, Reconstruct
 from .engine import Engine, clear_next_caches, kv_type_params, set_next_caches
@@ -378,9 +378,8 @@ class Llama(llama_cpp.Llama):
         if self._kv is None or not query:
             self._kv_guide = None
             return
-        if query == "reconstruct" and (needs := guide_room(query, self._kv_engine.config.n_ubatch)) > (
-            room := self._kv.config.room
-        ):  # (read plainly once the cache was full: most chunks went without it)
+        room = self._kv.config.room
+        if query == "reconstruct" and (needs := room_short(query, self._kv_engine.config.n_ubatch, room)) is not None:
             raise AhakvError(
                 f"kv_query 'reconstruct' decodes a repetition of {needs} tokens beside each chunk, and this Llama's "
                 f"caches keep {room}: open it with kv_query='reconstruct' (or kv_reuse_compressed=True)"

@@ -87,7 +87,6 @@ class Generation:
     guide: Sequence[int] | Reconstruct | None = None
     tokens: list[int] = field(default_factory=list)  # generated
     sent: int = 0  # characters of text emitted
-    peak_cells: int = 0  # the most cells the sequence held while generating
 
 
 class SequencePool:
@@ -164,7 +163,6 @@ class SequencePool:
         except BaseException:
             self._drop(seq)
             raise
-        gen.peak_cells = ctl.live.size
         self._take(seq, logits)
         return seq
 
@@ -178,7 +176,6 @@ class SequencePool:
             return
         logits = step_batch([self.controllers[s] for s in seqs], [self.next_token.pop(s) for s in seqs])
         for s, row in zip(seqs, logits, strict=True):
-            self.active[s].peak_cells = max(self.active[s].peak_cells, self.controllers[s].live.size)
             self._take(s, row)
 
     def cancel_all(self, reason: str = "cancelled") -> None:

@@ -50,7 +50,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
-from .budget import Budget, guide_room
+from .budget import Budget, room_short
 from .errors import AhakvError
 from .llama import Llama, Stopped, llama_response_format
 from .parallel import Generation, Sampling, SequencePool, prompt_of
@@ -360,7 +360,7 @@ def check_kv_query(query: bool | str | None, policy: Policy | None, room: int = 
         raise AhakvError(
             f"kv_query {shown} needs a policy that reads with a question ({query_readers()}), not {policy.name}"
         )
-    if query == "reconstruct" and (needs := guide_room("reconstruct", chunk)) > room:
+    if query == "reconstruct" and (needs := room_short(query, chunk, room)) is not None:
         raise AhakvError(
             f'kv_query "reconstruct" decodes a repetition of {needs} tokens beside each chunk, and this server\'s '
             f"caches keep {room}: start it with --reading reconstruct"

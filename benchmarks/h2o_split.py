@@ -46,7 +46,9 @@ def main() -> None:
     results = evaluate(model, tokens, specs, prefix=128, n_ubatch=64, step=1)
     full = results.pop("full")
     command = command_line()
-    heavy = {"eviction": args.budget // 2 - (args.evict_every - 1), "peak": args.budget // 2}
+    # what an eviction keeps (the budget less the room for the steps to come), less the recent half, or the half
+    kept = args.budget - (args.evict_every - 1)
+    heavy = {"eviction": kept - args.budget // 2, "peak": args.budget // 2}
     lines = [
         f"H2O's split, {model.name}, {len(tokens)} tokens of {text_name(args.text)}, {args.budget} cells, an eviction "
         f"every {args.evict_every} steps, token by token; full cache ppl {full.ppl:.3f}",
