@@ -244,6 +244,7 @@ class KVController:
         self.spans = WordMap(piece, joins=not_space)  # runs of text between spaces, for reconstruction
         self._guided = False  # a prompt is being read under guidance (Observation.words are given then only)
         self._surprisal_row: np.ndarray | None = None  # the last row of a surprisal read's piece (``prefill``)
+        self._scored_by: type[Reconstruct | Surprisal] | None = None  # the reading whose scores ``best`` holds
 
     @property
     def live(self) -> np.ndarray:
@@ -374,6 +375,8 @@ class KVController:
         if asked:
             query = list(query)[-QUERY_TOKENS:]
         self._reading(use_query)
+        if by_surprisal or (isinstance(query, Reconstruct) and use_query):
+            self._score_by(type(query))
         # surprisal: the row that predicts this piece's first token, where it goes on a prompt read in pieces (the
         # drop-in's n_batch, the parallel server's): each piece's first token took its chunk's mean, so the same
         # prompt was compressed otherwise as its pieces were cut
@@ -451,6 +454,17 @@ class KVController:
         for g in self.groups:
             g.policy.reading(guided)
 
+    def _score_by(self, reading: type[Reconstruct | Surprisal]) -> None:
+        """``best`` holds one reading's scores: a read of the other kind starts it over. Reconstruction scores (a
+        pass's attention scaled to mean 1, each position's best) and surprisal (nats) were mixed in one array, and
+        a sequence extended under the other reading (a server request, a drop-in call with another ``kv_query``)
+        ranked the positions read before by the other scale (reconstruction's ~1 against surprisal's ~3-10 nats:
+        under surprisal the earlier read went first, under reconstruction it stayed)."""
+        if self._scored_by is not reading:
+            for g in self.groups:
+                g.best[:] = np.nan
+            self._scored_by = reading
+
     def _evict_by_surprisal(
         self, piece: Sequence[int], logits: np.ndarray, before: np.ndarray | None, rule: Surprisal
     ) -> np.ndarray:
@@ -468,7 +482,15 @@ class KVController:
         for g in self.groups:
             g.grow_best(n)
             g.best[n - len(piece) : n] = surprisal
-        pooled = avg_pool(self.groups[0].best[:n], rule.kernel)  # by position: the same for every group
+        # by position: the same for every group. A position no surprisal read scored (a conversation's earlier turns,
+        # an answer's tokens, a prompt read otherwise) stands at the mean of those scored, neither first to go nor kept
+        # whatever happens: at 0 it was the least surprising of all, and chat's /read of a document evicted the
+        # conversation before any of the document
+        scored = self.groups[0].best[:n]
+        unscored = np.isnan(scored)
+        if unscored.any():
+            scored = np.where(unscored, scored[~unscored].mean(), scored)
+        pooled = avg_pool(scored, rule.kernel)
         self.evict([pooled[g.live] for g in self.groups], alone=True)
         return logits[-1]
 
@@ -480,7 +502,7 @@ class KVController:
         for g, scores in zip(self.groups, self.read_query(query), strict=True):
             scores = unit_mean(scores)
             g.grow_best(int(g.live[-1]) + 1 if g.live.size else 0)
-            g.best[g.live] = np.maximum(g.best[g.live], scores)
+            g.best[g.live] = np.fmax(g.best[g.live], scores)  # (fmax: a position no pass scored yet is NaN)
             best = g.best[g.live]
             # a word read across two chunks got a best from each pass: its tokens share one best all the same, and so
             # do the characters that touch it (a number with its full stop: read back without it, the model added a
@@ -737,7 +759,7 @@ class KVController:
             # a fresh policy and no reconstruction scores: what the sequence before the load had learned (AhaKV's
             # head weights, the scores a /read folds in) made the loaded chat's next answers depend on it
             g.policy = g.policy.fresh()
-            g.best[:] = 0.0
+            g.best[:] = np.nan
             g.obs = None
         self._pending = 0
         self._tap = None  # nothing read for the policy yet (an eviction takes the oldest first: ``_evict``)
@@ -761,7 +783,7 @@ class KVController:
             # from the start: a fresh policy (same settings), so a replay meets exactly the same decisions
             g.policy = g.policy.fresh() if n == 0 else g.policy
             g.policy.truncate(n)
-            g.best[n:] = 0.0
+            g.best[n:] = np.nan
             g.obs = None
             if n == 0:  # a new sequence: its evictions count from none (tokens_seen = cells_used + evicted)
                 g.decided, g.evicted = None, 0

@@ -37,7 +37,8 @@ class LayerGroup:
     _live: np.ndarray  # int64 positions ascending, ``live`` once brought up to date
     window: int = 0  # its layers see the last ``window`` positions (0: every position)
     obs: Observation | None = None  # the last observation, aligned with ``live``
-    # a question-agnostic reading's score by position (Reconstruct: each position's best; Surprisal: its own)
+    # a question-agnostic reading's score by position (Reconstruct: each position's best; Surprisal: its own); NaN
+    # where that reading scored none
     best: np.ndarray = field(default_factory=lambda: np.zeros(0))
     decided: int | None = None  # the cells of its last eviction target (auto: the error model's decision)
     evicted: int = 0  # positions it evicted
@@ -63,7 +64,7 @@ class LayerGroup:
     def grow_best(self, end: int) -> None:
         """Room in ``best`` for positions below ``end`` (doubling: a long read grows it in few copies)."""
         if self.best.size < end:
-            self.best = np.concatenate([self.best, np.zeros(max(end - self.best.size, self.best.size))])
+            self.best = np.concatenate([self.best, np.full(max(end - self.best.size, self.best.size), np.nan)])
 
     def read_live(self, engine: Engine) -> np.ndarray:
         return engine.live_positions(self.map_layer).astype(np.int64)

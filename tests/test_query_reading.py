@@ -275,7 +275,8 @@ def test_the_drop_in_reads_a_long_prompt_with_its_question(fixture_model, licens
         seen.clear()
         other = license_text[2500:5000]  # no prefix in common with the cache: read from the start
         llm.create_completion(f"{other}\n\nThe version is", max_tokens=2, temperature=0, kv_query="surprisal")
-        assert seen == [] and ctl.groups[0].best[ctl.live].max() > 0  # scored by surprisal, no question decoded
+        # scored by surprisal, no question decoded (the answer's first token is decoded after the read: NaN, unscored)
+        assert seen == [] and np.isfinite(ctl.groups[0].best[ctl.live[:-1]]).all()
         assert np.array_equal(llm.kv_engine.live_positions(), ctl.live)
         seen.clear()  # OpenAI's content parts: their text (it was the rendered template's last paragraph)
         parts = [{"type": "text", "text": document}, {"type": "text", "text": "Which version is this?"}]
@@ -497,3 +498,79 @@ def test_a_surprisal_reading_in_pieces_keeps_what_one_read_keeps(fixture_model, 
             ctl.read_piece(piece, Surprisal(), ends)
         np.testing.assert_array_equal(ctl.groups[0].best[:400], scored)
         np.testing.assert_array_equal(ctl.live, whole)
+
+
+def surprisal_of(rows: np.ndarray, tokens: list[int]) -> np.ndarray:
+    """-log p(token | what precedes it) in float64: row i predicts tokens[i + 1]; the first token takes the mean of
+    the others (nothing in the read predicted it, as ``KVController._evict_by_surprisal`` says)."""
+    rows = rows.astype(np.float64)
+    top = rows.max(1, keepdims=True)
+    log_p = rows - top - np.log(np.exp(rows - top).sum(1, keepdims=True))
+    out = -log_p[np.arange(len(tokens) - 1), tokens[1:]]
+    return np.concatenate([[out.mean()], out])
+
+
+@pytest.mark.parametrize("before", ["plainly", "by reconstruction", "as an answer"])
+def test_positions_no_surprisal_read_scored_stand_at_the_mean(fixture_model, license_text, before):
+    """A surprisal read ranks positions by their surprisal; those read before it otherwise (plainly, by reconstruction,
+    the tokens of an answer) have none. They stood at 0, the least surprising of all (a reconstruction's scores, of
+    another scale, ~1), so chat's /read of a document evicted the conversation before any of the document. They now
+    stand at the mean of the scored positions. The reference: numpy in float64 on the read's own logits, each
+    position pooled over 15 neighbours; the eviction removes no candidate scoring above one it kept (within the
+    fixture's forward bound on the logits, as in the test above)."""
+    from ahakv_local.controller import Reconstruct, Surprisal
+
+    tokens = tokens_of(fixture_model, license_text, 164)
+    first, second = tokens[:100], tokens[100:]
+    spec = SessionSpec.bounded("ahakv", 128, n_recent=8, reading="reconstruct")
+    with open_session(fixture_model, spec, longest=300, n_ubatch=64) as s:
+        ctl = s.controller
+        if before == "as an answer":
+            ctl.prefill(first[:40])
+            for t in first[40:]:
+                ctl.step(t)
+        else:
+            repeat = tuple(s.engine.tokenize(" Repeat the previous context.", add_bos=False))
+            ctl.prefill(first, query=Reconstruct(repeat) if before == "by reconstruction" else None)
+        assert ctl.live.size == len(first)  # nothing evicted yet
+        evicted = []
+        real_evict = ctl.engine.evict
+        ctl.engine.evict = lambda at, cache=None: evicted.append(np.array(at)) or real_evict(at, cache)
+        live = ctl.live.copy()
+        rows = ctl.prefill(second, all_logits=True, query=Surprisal())
+        assert len(evicted) == 1
+    n = len(tokens)
+    ref = np.empty(n)
+    ref[len(first) :] = surprisal_of(rows, second)
+    ref[: len(first)] = ref[len(first) :].mean()
+    pooled = np.array([ref[max(0, i - 7) : min(n, i + 8)].mean() for i in range(n)])  # 15 wide, cut at the ends
+    gone = evicted[0]
+    live = np.concatenate([live, np.arange(len(first), n)])
+    kept = np.setdiff1d(live, gone)
+    candidates = kept[(kept >= 4) & (kept < n - 8)]  # not the sinks, not the last 8
+    bound = 2 * 16 * 128 * F32 * np.abs(rows).max()
+    assert (gone < len(first)).any() and (gone >= len(first)).any()  # both reads lose positions
+    assert pooled[gone].max() <= pooled[candidates].min() + 2 * bound
+
+
+def test_a_reconstruction_after_a_surprisal_read_ranks_by_its_own_scores(fixture_model, license_text):
+    """A sequence read by surprisal, then extended by reconstruction (a server's next request, a drop-in call with
+    another ``kv_query``): the positions of the first read kept their surprisal (nats, ~3-10) as the best of
+    reconstruction passes that score in units of their mean (~1), and outranked every position the reconstruction
+    scored. They are ranked by the reconstruction's passes alone now: exactly as after the same first read made
+    plainly (the same decodes, the same cells)."""
+    from ahakv_local.controller import Reconstruct, Surprisal
+
+    tokens = tokens_of(fixture_model, license_text, 300)
+    spec = SessionSpec.bounded("ahakv", 128, n_recent=8, reading="reconstruct")
+    kept = []
+    for first in (None, Surprisal()):
+        with open_session(fixture_model, spec, longest=500, n_ubatch=64) as s:
+            ctl = s.controller
+            repeat = tuple(s.engine.tokenize(" Repeat the previous context.", add_bos=False))
+            ctl.prefill(tokens[:100], query=first)
+            assert ctl.live.size == 100
+            ctl.prefill(tokens[100:], query=Reconstruct(repeat))
+            kept.append(ctl.live.copy())
+    assert kept[0].size < 300  # the reconstruction evicted
+    np.testing.assert_array_equal(kept[1], kept[0])
