@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import ctypes
 from collections import defaultdict
-from pathlib import Path
 
-import llama_cpp
+import engine_libs
 import llama_cpp.llama_cpp as ll
 import numpy as np
 
@@ -37,7 +36,7 @@ class GgmlTensor(ctypes.Structure):
     ]
 
 
-_base = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+_base = engine_libs.load("ggml-base", mode=ctypes.RTLD_GLOBAL)
 _base.ggml_nbytes.argtypes = [ctypes.c_void_p]
 _base.ggml_nbytes.restype = ctypes.c_size_t
 _base.ggml_is_contiguous.argtypes = [ctypes.c_void_p]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import os
 from functools import cache
-from pathlib import Path
 
 DEVICE = os.environ.get("AHAKV_TEST_DEVICE", "").strip().lower()
 # ggml's registry names: ggml_backend_reg_name of each backend (Metal registers as "MTL")
@@ -21,9 +20,10 @@ N_GPU_LAYERS = -1 if DEVICE else 0  # -1: every layer, the output layer included
 
 @cache
 def _ggml() -> ctypes.CDLL:
-    import llama_cpp  # loads the engine and registers its backends first
+    import engine_libs
+    import llama_cpp  # noqa: F401  (loads the engine and registers its backends first)
 
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml.so"))
+    lib = engine_libs.load("ggml")
     lib.ggml_backend_dev_count.restype = ctypes.c_size_t
     lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
     lib.ggml_backend_dev_get.restype = ctypes.c_void_p

@@ -33,6 +33,17 @@ def sum_rtol(n: int) -> float:
     return max(n - 1, 1) * F32
 
 
+def log_softmax32_atol(n: int, span: float) -> float:
+    """Absolute error bound of an entry of a float32 log-softmax of a row of n entries spanning ``span`` nats
+    (max - min), against float64 on the same float32 inputs (``evaluation._log_softmax32``): the shift by the
+    maximum (span * u), exp (numpy's float32 exp is within 4 ulp = 8u, its input's error carried: span * u), the sum
+    (numpy sums 128-term blocks in 8 lanes of 16, then pairwise: (15 + 7 + log2(n / 128)) * u relative), the log of
+    the sum (ln n * u) and the last difference ((span + ln n) * u). The per-token error of a perplexity's mean
+    log-likelihood, so also the bound of |ln ppl32 - ln ppl64|."""
+    pairwise = 15 + 7 + max(0.0, float(np.log2(n / 128)))
+    return F32 * (span + 8 + span + pairwise + np.log(n) + span + np.log(n))
+
+
 def norm_rtol(hd: int) -> float:
     """Relative error of an F32 vector norm over hd entries: the squared sum's bound, halved by the sqrt."""
     return sum_rtol(hd) / 2

@@ -7,8 +7,8 @@ import ctypes
 import os
 import subprocess
 import sys
-from pathlib import Path
 
+import engine_libs
 import llama_cpp
 import llama_cpp.llama_cpp as llama_cpp_lib
 import numpy as np
@@ -34,7 +34,7 @@ def fresh_binding(monkeypatch):
 
 def test_library_without_the_api_is_refused(fresh_binding):
     # a real shared library of the same build that has no llama_ahakv_* symbols
-    other = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    other = engine_libs.load("ggml-base")
     fresh_binding.setattr(llama_cpp_lib, "_lib", other)
     with pytest.raises(EngineNotPatched, match=r"not patched for ahakv-local; run `ahakv-local build`"):
         native.lib()
