@@ -613,6 +613,13 @@ class Engine:
         pos = self.cell_positions(layer)
         return np.sort(pos[pos >= 0])
 
+    def position_range(self) -> tuple[int, int]:
+        """The lowest and the newest position any cache of this sequence holds ((0, -1) where none holds one)."""
+        held = [p for c in self.caches if (p := self.live_positions(self.layer_cache.index(c))).size]
+        if not held:
+            return 0, -1
+        return min(int(p[0]) for p in held), max(int(p[-1]) for p in held)
+
     def truncate(self, n_past: int) -> None:
         """Forget every position >= n_past (rewind), so the next token goes to n_past."""
         if not 0 <= n_past <= self.n_past:

@@ -244,6 +244,8 @@ class Llama(llama_cpp.Llama):
         self._context_full = False  # the last completion ended because the context was full (``_counted``)
         self._usage = [0, 0]  # the last completion's prompt and completion tokens (``last_usage``)
         self._sampling = False  # a completion's prompt is read: what is decoded now counts as prompt (``_count``)
+        # llama.cpp holds logits to sample from: something was decoded since the context was made or a state loaded
+        self._has_logits = False
         self._chat_question: str | None = None
         if kv_type == KV_TYPE_AUTO and kwargs.get("flash_attn") is False:
             kv_type = "f16"  # a quantized V needs flash attention
@@ -444,6 +446,7 @@ class Llama(llama_cpp.Llama):
                     raise Stopped
                 t0 = time.perf_counter()
                 super().eval(tokens[start : start + self.n_batch])
+                self._has_logits = True
                 self._count(len(tokens[start : start + self.n_batch]), time.perf_counter() - t0)
             return
         if self.n_tokens + len(tokens) > self._n_ctx:
@@ -464,6 +467,7 @@ class Llama(llama_cpp.Llama):
                 raise Stopped
             t0 = time.perf_counter()
             last = kv.read_piece(chunk, self._kv_guide, ends_prompt)
+            self._has_logits = True
             self._count(len(chunk), time.perf_counter() - t0)
             self.input_ids[self.n_tokens : self.n_tokens + len(chunk)] = chunk
             self.n_tokens += len(chunk)
@@ -476,6 +480,12 @@ class Llama(llama_cpp.Llama):
 
     def generate(self, tokens: Sequence[int], *args, **kwargs):
         reset = kwargs.get("reset", args[6] if len(args) > 6 else True)  # False: ``tokens`` go after what is cached
+        if not len(tokens) and not self._has_logits:
+            # llama.cpp aborted the process sampling from logits it does not hold (llama_cpp.Llama does the same)
+            raise ValueError(
+                "generate() needs a token to read: nothing was decoded since this Llama was made or its state "
+                "loaded, so there are no logits to sample from"
+            )
         if self._kv is not None and not self._kv_reuse_compressed and reset and self._needs_rewind(tokens):
             # llama-cpp-python would rewind to the longest matching prefix and reuse it as if intact. The
             # cached values may have holes, and the policy's statistics include queries that a rewind
@@ -599,9 +609,15 @@ class Llama(llama_cpp.Llama):
         _, ctx, _ = upstream.handles(self)
         with upstream.failures_said_by_caller():  # a refusal is this method's one error, not llama.cpp's lines too
             restored = llama_cpp.llama_state_set_data(ctx.ctx, buf, state.llama_state_size)
+        self._has_logits = False  # a state holds no logits (the next token must be read first), nor a refused one
         # the token list must end where the cache does (its newest position is never evicted): a state whose
-        # n_tokens said otherwise loaded, and every later decode failed ("inconsistent sequence positions")
-        newest = llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(ctx.ctx), 0)
+        # n_tokens said otherwise loaded, and every later decode failed ("inconsistent sequence positions").
+        # llama.cpp's seq_pos_max reads one cache: a position past the list in another of the per-layer caches (a
+        # crafted file) loaded, and the next message failed in the policy's arrays (an IndexError, chat's traceback)
+        if self._kv is not None:
+            _, newest = self._kv_engine.position_range()
+        else:
+            newest = llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(ctx.ctx), 0)
         mismatch = restored == state.llama_state_size and newest + 1 != state.n_tokens
         if restored != state.llama_state_size or mismatch:
             # whatever llama.cpp restored is not a consistent cache: every cell goes (it left the per-layer caches
@@ -612,7 +628,8 @@ class Llama(llama_cpp.Llama):
                 self.load_state(backup)
             if mismatch:
                 raise ValueError(
-                    f"this state is damaged: its cache ends at position {newest}, its token list at {state.n_tokens}"
+                    f"this state is damaged: its cache holds positions up to {newest}, its token list "
+                    f"{state.n_tokens} tokens (positions 0 to {state.n_tokens - 1})"
                 )
             if self._kv is None:  # llama_cpp.Llama's error (it leaves the sequence half-replaced, this one as it was)
                 raise RuntimeError("Failed to set llama state data")

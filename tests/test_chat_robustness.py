@@ -1252,7 +1252,7 @@ def test_damaged_saved_chats_and_long_names_are_lines_of_their_own(chat, tmp_pat
     with zipfile.ZipFile(edited, "w") as z:
         z.writestr("chat.json", json.dumps({**meta, "n_tokens": 10, "input_ids": meta["input_ids"][:10]}))
         z.writestr("state.bin", blob)
-    with pytest.raises(AhakvError, match="damaged: its cache ends at position"):
+    with pytest.raises(AhakvError, match="damaged: its cache holds positions up to"):
         command(chat, "/load", str(edited))
     assert chat.messages == before and talk(chat, "still there?") is not None
 

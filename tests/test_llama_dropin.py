@@ -718,12 +718,86 @@ def test_a_state_whose_token_list_disagrees_with_its_cache_is_refused(fixture_mo
         expected = b("and then", max_tokens=4, temperature=0)["choices"][0]["text"]
         before = b.n_tokens
         state.n_tokens, state.input_ids = n_tokens, state.input_ids[:n_tokens]
-        with pytest.raises(ValueError, match=rf"damaged: its cache ends at position \d+, its token list at {n_tokens}"):
+        with pytest.raises(
+            ValueError, match=rf"damaged: its cache holds positions up to \d+, its token list {n_tokens} "
+        ):
             b.load_state(state)
         assert b.n_tokens == before
         assert b("and then", max_tokens=4, temperature=0)["choices"][0]["text"] == expected
         b.reset()  # and a reset empties the cells whatever the count said
         assert b("and then", max_tokens=4, temperature=0)["choices"][0]["text"] is not None
+
+
+@pytest.mark.parametrize("layer_budgets", ["natural", "adaptive"])
+def test_a_state_with_a_position_past_its_token_list_in_any_cache_is_refused(license_text, layer_budgets):
+    """A crafted state: one cell's position in one of the per-layer caches moved past the token list. llama.cpp's
+    seq_pos_max reads one cache, so such a state loaded where the cell was in another, and the next message failed in
+    the policy's arrays (an IndexError: chat printed a traceback and quit). Refused now in every cache, naming the
+    newest position, and the Llama goes on as before. The cell is found by its record in llama.cpp's state (its
+    position, one sequence id, sequence 0), one per cache."""
+    import struct
+
+    from ahakv_local.fixture import FixtureSpec
+    from ahakv_local.models import fixture_path
+
+    kw = dict(kv_budget=96, kv_recent=8, kv_layer_budgets=layer_budgets, n_batch=32, n_ctx=512, verbose=False)
+    model = str(fixture_path(FixtureSpec(arch="gemma3")))  # a sliding-window and a full-attention cache, at least
+    with Llama(model, **kw) as a:
+        a.eval(a.tokenize(license_text[:300].encode())[:60])
+        state = a.save_state()
+    saved = bytes(state.llama_state)
+    record = struct.pack("<iIi", state.n_tokens - 3, 1, 0)  # a position every cache holds (the window is 24)
+    records = [i for i in range(len(saved)) if saved.startswith(record, i)]
+    with Llama(model, **kw) as b:
+        assert len(records) == len(b.kv_engine.caches) >= 2
+        b.eval(b.tokenize(license_text[400:700].encode())[:40])
+        before = b.n_tokens
+        for at in records:
+            blob = bytearray(saved)
+            struct.pack_into("<i", blob, at, 2000)
+            state.llama_state = bytes(blob)
+            with pytest.raises(ValueError, match=r"damaged: its cache holds positions up to 2000, its token list 60 "):
+                b.load_state(state)
+            assert b.n_tokens == before
+        b.eval(b.tokenize(b" and then", add_bos=False))  # goes on (it failed in the policy's arrays)
+        for g in b.kv_controller.groups:
+            np.testing.assert_array_equal(g.live, g.read_live(b.kv_engine))
+
+
+def test_generating_from_no_tokens_with_no_logits_is_refused():
+    """``generate([], reset=False)`` samples the next token from the last decode's logits: right after a decode it
+    continues the sequence, as llama_cpp.Llama does. A fresh Llama, or one that just loaded a state (llama.cpp's state
+    holds no logits), has none: llama.cpp aborted the process (GGML_ASSERT, llama_cpp.Llama too). A ValueError now;
+    after a decode it still continues. In a child process: the old code's abort would end the suite."""
+    code = """
+import sys
+from ahakv_local import Llama
+from ahakv_local.models import fixture_path
+budget = None if sys.argv[1] == "none" else 64
+a = Llama(str(fixture_path()), kv_budget=budget, n_ctx=512, verbose=False)
+try:
+    a.generate([], temp=0.0, reset=False).send(None)
+    print("sampled")
+except ValueError as e:
+    print("fresh:", e)
+a.eval(a.tokenize(b"The quick brown fox jumps over the lazy dog. " * 4))
+state = a.save_state()
+ref = [t for _, t in zip(range(4), a.generate([], temp=0.0, reset=False))]
+a.load_state(state)
+try:
+    a.generate([], temp=0.0, reset=False).send(None)
+    print("sampled")
+except ValueError as e:
+    print("loaded:", e)
+print("after a decode:", ref)
+"""
+    for budget in ("none", "64"):
+        proc = subprocess.run([sys.executable, "-c", code, budget], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-500:]
+        lines = proc.stdout.splitlines()
+        assert [line.split(":")[0] for line in lines[:2]] == ["fresh", "loaded"], proc.stdout
+        assert all("no logits to sample from" in line for line in lines[:2])
+        assert lines[2].startswith("after a decode: [") and len(lines[2].split(",")) == 4
 
 
 def test_a_pipe_as_the_model_path_is_refused_at_once(tmp_path):
