@@ -10,9 +10,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
 
+from .atomic import replaced  # noqa: E402
 from .bench import LongRow  # noqa: E402
 from .evaluation import PplResult  # noqa: E402
 from .longdoc import LongdocTrial, mean_scores  # noqa: E402
+
+
+def save(fig, path: Path) -> None:
+    """The figure as a PNG at ``path``, whole or as it was (``atomic.replaced``)."""
+    with replaced(path) as f:
+        fig.savefig(f, format="png", dpi=110)
 
 
 def plot_ppl(results: dict[str, PplResult], tokens: int, path: Path, title: str = "") -> Path:
@@ -40,7 +47,7 @@ def plot_ppl(results: dict[str, PplResult], tokens: int, path: Path, title: str 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
     plt.close(fig)
     return path
 
@@ -65,7 +72,7 @@ def plot_long_run(rows: list[LongRow], path: Path, title: str = "") -> Path:
     tps.set_ylabel("decode tokens/s")
     fig.suptitle(title or "long run: full cache vs budget")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
     plt.close(fig)
     return path
 
@@ -94,7 +101,7 @@ def plot_longdoc(trials: list[LongdocTrial], path: Path, title: str = "") -> Pat
     fig.colorbar(im, ax=ax, label="mean score")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
     plt.close(fig)
     return path
 
@@ -145,6 +152,6 @@ def plot_frontier(rows: list[dict], full_ppl: float, trimmed_bytes: int, path: P
     else:  # many lines: the legend to the right of both plots, not over them
         fig.legend(*ppl.get_legend_handles_labels(), loc="center right", fontsize=7)
         fig.tight_layout(rect=(0, 0, 0.8, 1))
-    fig.savefig(path, dpi=110)
+    save(fig, path)
     plt.close(fig)
     return path

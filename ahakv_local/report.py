@@ -4,6 +4,7 @@ results.csv, a Markdown table (results.md) and PNG plots."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import time
 from collections import Counter
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from .atomic import write_text
 from .bench import LongRow, SpeedRow
 from .errors import AhakvError
 from .evaluation import PplResult
@@ -114,12 +116,15 @@ def _write(
         if before != figure:
             (out / before).unlink(missing_ok=True)
     meta = meta | {"figure": figure}
-    (out / "results.json").write_text(json.dumps({"config": meta, "results": rows}, indent=1))
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    # each file whole or as it was (``atomic``): a run that failed on a full disk had emptied the last run's report,
+    # and a link left in the folder was written through (a user's file overwritten with the CSV)
+    write_text(out / "results.json", json.dumps({"config": meta, "results": rows}, indent=1))
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=fields, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text(out / "results.csv", table.getvalue())
+    write_text(out / "results.md", "\n".join(lines) + "\n")
 
 
 def write_ppl_report(

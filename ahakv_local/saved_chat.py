@@ -12,12 +12,9 @@ foreign file is refused with one line and the running conversation stays as it w
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import stat
-import tempfile
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -27,10 +24,10 @@ from typing import Any
 import numpy as np
 
 from . import upstream
+from .atomic import replaced
 from .budget import LAYER_BUDGETS, Budget, as_option
 from .errors import AhakvError
 from .info import KV_CACHE_TYPES
-from .paths import umask
 
 FORMAT = "ahakv-local chat"
 VERSION = 1
@@ -104,26 +101,12 @@ def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None
         "laid_out_for": llm.kv_laid_out_for,
         "kv_cache": kv_cache_kind(llm),
     }
-    tmp = None
     try:
-        # mkstemp's file is private (0600): a new saved chat is as any file written, one replaced keeps its mode
-        mode = stat.S_IMODE(path.stat().st_mode) if path.is_file() else 0o666 & ~umask()
-        # a new file of its own (a fixed "FILE.tmp" replaced a user's file of that name, or wrote through a link)
-        # its name cut to fit the folder's limit with mkstemp's 8 characters and the dots (a legal name of 250
-        # characters was refused as "File name too long")
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:200]}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        with replaced(path) as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED) as z:
             z.writestr("chat.json", json.dumps(meta, ensure_ascii=False))
             z.writestr("state.bin", state.llama_state)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-        tmp = None
-    except OSError as exc:  # a missing folder, no permission, a full disk: one line
+    except OSError as exc:  # a missing folder, no permission, a full disk: one line (and the file as it was)
         raise AhakvError(f"cannot write {path}: {exc.strerror or exc}") from None
-    finally:  # and no half-written file left, whatever ended the write (SIGTERM mid-/save is a SystemExit)
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
 
 def load_chat(

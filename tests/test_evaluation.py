@@ -370,6 +370,39 @@ def test_a_report_removes_only_the_figures_a_report_of_ours_wrote(tmp_path):
         assert json.loads((out / "results.json").read_text())["config"]["figure"] == "long_run.png"
 
 
+def test_a_report_replaces_its_files_whole_and_never_writes_through_a_link(tmp_path, monkeypatch):
+    """A report's files are written beside themselves and renamed over (``atomic.replaced``): a link left in the
+    folder is replaced, not written through (a user's notes were overwritten with the CSV), and a run that fails
+    while writing (a full disk) leaves the last run's files whole and no temporary one (the CSV was emptied)."""
+    from ahakv_local import atomic
+    from ahakv_local.report import _write
+
+    out = tmp_path / "report"
+    _write(out, {"patch_sha256": "x"}, [{"label": "a"}], ["label"], ["# first"])
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    (out / "results.csv").unlink()
+    (out / "results.csv").symlink_to(notes)
+    _write(out, {"patch_sha256": "x"}, [{"label": "b"}], ["label"], ["# second"])
+    assert notes.read_text() == "my notes" and not (out / "results.csv").is_symlink()
+    assert (out / "results.csv").read_text().splitlines() == ["label", "b"]
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full_disk(path, text):  # the second file's write fails once some of it is written
+        with atomic.replaced(path) as f:
+            f.write(text.encode()[:3])
+            if path.name == "results.csv":
+                raise OSError(28, "No space left on device")
+            f.write(text.encode()[3:])
+
+    monkeypatch.setattr("ahakv_local.report.write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        _write(out, {"patch_sha256": "x"}, [{"label": "c"}], ["label"], ["# third"])
+    after = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(after) == set(before)  # no temporary file left
+    assert after["results.csv"] == before["results.csv"] and after["results.md"] == before["results.md"]
+
+
 @pytest.mark.parametrize(("n_tokens", "prefix"), [(0, 128), (50, 128), (200, 1000), (200, 0), (200, 199)])
 def test_an_evaluation_with_nothing_to_score_says_why(fixture_model, n_tokens, prefix):
     """ "need at least one array to concatenate" (no token after the prefix) or "the KV cache is full" (a negative
