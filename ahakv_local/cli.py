@@ -692,6 +692,12 @@ def load_pool(
     n_gpu_layers = gpu_layers(n_gpu_layers, rpc)
     batch_size = batch_size or BUDGETED_BATCH
     cells = SequencePool.context_cells(spec.budget, parallel, batch_size, spec.room(batch_size))
+    # before llama.cpp allocates, as the one-at-a-time server checks (it printed four lines of allocation failures, and
+    # a context between the free and the total memory would have been allocated and zeroed)
+    from .info import N_PAD
+    from .llama import check_cells
+
+    check_cells(str(path), -(-cells // N_PAD) * N_PAD, spec.budget)  # (llama.cpp pads this context, every layer's)
     config = EngineConfig(
         n_ctx=cells, n_batch=batch_size, n_ubatch=batch_size, n_threads=threads, n_gpu_layers=n_gpu_layers,
         n_seq=parallel, rpc_servers=rpc,

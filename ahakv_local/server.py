@@ -53,7 +53,7 @@ from starlette.exceptions import HTTPException
 from .budget import Budget, room_short
 from .errors import AhakvError
 from .llama import Llama, Stopped, llama_response_format
-from .parallel import Generation, Sampling, SequencePool, prompt_of
+from .parallel import RANDOM_SEED, Generation, Sampling, SequencePool, prompt_of
 from .policies import Policy, make_policy, query_readers
 
 log = logging.getLogger("ahakv_local.server")
@@ -104,7 +104,9 @@ class KVFields(BaseModel):
     # null is the default, as OpenAI takes it (its clients send null for a None they were given)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(256, ge=0)  # 0 or null: up to the server's limit
+    # 0 or null: up to the server's limit; left out, llama-cpp-python's server's (and OpenAI's) defaults: a chat's
+    # answer up to the limit, a completion 16 tokens (``CompletionRequest``); both were 256
+    max_tokens: int | None = Field(None, ge=0)
     # OpenAI's newer name for max_tokens (its clients send only this one now): the same, and refused with another
     # max_tokens
     max_completion_tokens: int | None = Field(None, ge=0)
@@ -181,6 +183,7 @@ class KVFields(BaseModel):
 
 class CompletionRequest(KVFields):
     prompt: str = ""
+    max_tokens: int | None = Field(16, ge=0)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -384,8 +387,11 @@ def sampling_of(req: KVFields, limit: int) -> dict:
         "temperature": req.temperature,
         "top_p": req.top_p,
         "stop": stop_strings(req.stop),
-        # llama.cpp's seeds are uint32; ctypes would wrap the same way, or fail past 64 bits
-        "seed": None if req.seed is None else req.seed & 0xFFFFFFFF,
+        # llama.cpp's seeds are uint32; ctypes would wrap the same way, or fail past 64 bits. None: one drawn at random
+        # (llama.cpp's LLAMA_DEFAULT_SEED), as OpenAI's and the --parallel server's. llama-cpp-python draws it from
+        # random.Random(the last seed given), so unseeded requests repeated the same answers on every fresh server,
+        # and a request's seed decided the next unseeded ones
+        "seed": RANDOM_SEED if req.seed is None else req.seed & 0xFFFFFFFF,
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
         "top_k": req.top_k,

@@ -146,6 +146,40 @@ def test_sampling_top_k_min_p_and_a_random_seed(fixture_model):
         assert state_of(RANDOM_SEED) != state_of(RANDOM_SEED)
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["one at a time", "parallel"])
+def test_an_unseeded_request_draws_its_own_seed(fixture_model, parallel):
+    """OpenAI's clients expect a request without a seed to sample at random. The one-at-a-time server let
+    llama-cpp-python draw the seed from random.Random(the last seed given): every fresh server gave the same answers to
+    the same unseeded requests, and a seeded request decided the unseeded ones after it. Each server here is fresh. The
+    fixture's rows at temperature 1 (top-k, top-p and min-p off) put at most ~0.09 on a token (312 tokens, random
+    weights), so two independent 8-token answers agree with probability below 0.09^8 (~5e-9); seeded, they agree."""
+    body = {"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    body["min_p"] = 0.0
+    answers = {}
+    for seed in (None, 5):
+        for run in range(2):
+            with served(fixture_model, parallel) as base:
+                status, out = call(base, "/v1/completions", body | ({} if seed is None else {"seed": seed}))
+            # (at least 8: llama-cpp-python samples on while a UTF-8 character is incomplete, and the fixture's byte
+            # tokens are drawn at random here)
+            assert status == 200 and out["usage"]["completion_tokens"] >= 8
+            answers[seed, run] = out["choices"][0]["text"]
+    assert answers[None, 0] != answers[None, 1]
+    assert answers[5, 0] == answers[5, 1]
+
+
+def test_a_request_without_max_tokens_gets_llama_cpp_python_s_defaults(fixture_model):
+    """A completion 16 tokens, a chat's answer up to the server's limit (llama-cpp-python's server and OpenAI's
+    defaults; both were 256). Greedy continuations of the fixture end at no end-of-generation token here."""
+    with served(fixture_model, False) as base:
+        status, out = call(base, "/v1/completions", {"prompt": "the quick brown fox", "temperature": 0})
+        assert status == 200 and out["usage"]["completion_tokens"] == 16
+    from ahakv_local.server import ChatRequest, CompletionRequest, sampling_of
+
+    assert sampling_of(ChatRequest(messages=[{"role": "user", "content": "hi"}]), 300)["max_tokens"] == 300
+    assert sampling_of(CompletionRequest(prompt="hi"), 300)["max_tokens"] == 16
+
+
 def test_top_p_takes_the_probabilities_before_the_temperature():
     """llama-cpp-python chains top-k, top-p, min-p, then the temperature: top-p cuts the probabilities at temperature 1.
     The parallel sampler cut the tempered ones. Known answers for logits [1.5, 1.0, 0.0]: at temperature 1 their

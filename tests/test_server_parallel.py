@@ -325,6 +325,36 @@ def test_eight_concurrent_requests_each_in_its_own_sequence(fixture_model, licen
         stop_server(proc)
 
 
+def test_parallel_checks_the_memory_before_llama_cpp_allocates(gemma_model, monkeypatch):
+    """serve --parallel made its context with no memory check: llama.cpp printed four lines of allocation failures
+    (and a context between the free and the total memory would have been allocated and zeroed). The pool's cells,
+    every layer of them in f16 and padded as llama.cpp pads them, are checked against the memory available, as the
+    one-at-a-time server's are."""
+    import ahakv_local.llama as dropin
+    from ahakv_local.cli import load_pool
+    from ahakv_local.info import read_info
+    from ahakv_local.parallel import SequencePool
+
+    kw = dict(parallel=4, ctx_size=None, budget="256", policy="h2o", sinks=4, recent=8, error_tol=None,
+              evict_every=None, observe_steps=0, threads=1, n_gpu_layers=0, batch_size=None,
+              reading="plain")  # fmt: skip
+    cells = -(-SequencePool.context_cells(Budget.parse(256), 4, 64, 0) // 256) * 256  # 1,092 padded
+    need = cells * read_info(gemma_model).kv_bytes_per_token()
+    monkeypatch.setattr(dropin, "available_memory", lambda: need - 1)
+    made = []
+    monkeypatch.setattr("ahakv_local.engine.Engine.__init__", lambda *a, **k: made.append(1) or pytest.fail("made"))
+    with pytest.raises(AhakvError, match=rf"^{cells} KV cells need .* GiB, more than the .* GiB of memory available"):
+        load_pool(str(gemma_model), **kw)
+    assert not made
+    monkeypatch.undo()
+    monkeypatch.setattr(dropin, "available_memory", lambda: need)
+    pool = load_pool(str(gemma_model), **kw)
+    try:
+        assert pool.engine.n_cells() == cells and pool.engine.kv_bytes() == need  # what was checked, to the byte
+    finally:
+        pool.engine.close()
+
+
 def test_parallel_needs_a_cell_budget_and_f16(fixture_model):
     import subprocess
     import sys
