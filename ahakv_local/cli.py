@@ -440,6 +440,10 @@ def chat(model, system, n_predict, temp, top_k, top_p, seed, **engine) -> None:
 def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, stats, query, **engine) -> None:
     """Generate a continuation of a prompt."""
     source = "the prompt"
+    if prompt is not None and prompt_file is not None:  # (-p won and the file went unread, without a word)
+        raise AhakvError("give the prompt with -p or with --file, not both")
+    if prompt_file == "":  # (an empty name read standard input, as "-" does)
+        raise AhakvError("--file needs a file name (- for standard input)")
     if prompt is not None:  # argv's bytes that are not UTF-8 come as surrogates, which failed at the tokenizer
         prompt = argument_text(prompt, "-p")
     if query is not None:

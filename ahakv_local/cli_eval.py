@@ -311,7 +311,7 @@ def eval_ppl(
     sliding-window cache also llama.cpp's own baseline, every position kept in a trimmed sliding cache."""
     require("eval")  # here, not in the group: --help needs no extra
     from .evaluation import TRIMMED, check_floors, evaluate, text_tokens
-    from .info import read_info
+    from .info import check_kv_types, read_info
     from .policies.ahakv import ABLATIONS
     from .report import write_ppl_report
 
@@ -331,6 +331,8 @@ def eval_ppl(
         what = f"--tokens {tokens}" if tokens < len(ids) else f"{text_file} has only {len(ids)} tokens"
         raise AhakvError(f"{what}; need more than --prefix {prefix} + 1")
     info = read_info(path)
+    if kv_type in KV_CACHE_TYPES:  # (a row of 16 values as q8_0 was found once the bar had started)
+        check_kv_types(info, kv_type, kv_type)
     read = min(tokens, len(ids))
     if info.n_ctx_train and read > info.n_ctx_train:  # (it failed there, after the full cache's whole run)
         raise AhakvError(
@@ -415,6 +417,8 @@ def eval_needle(
     out = _out(out_dir, None, (filler_file,))
     path = _model(model)
     filler = read_text(filler_file)
+    if not filler.strip():  # (found once the model was loaded and the bar had started: "the filler text has 0 tokens")
+        raise AhakvError(f"{filler_file} is empty: a needle is hidden in filler text")
     lens, deps = _lengths_and_depths(lengths, depths)
     floor = sinks + recent + 1
     from .budget import Budget
@@ -548,6 +552,8 @@ def eval_longdoc(
     _lengths_fit(lens, answer, trained)
     files = [str(f) for f in filler_files] or [str(p) for p in default_filler_files()]
     texts = [read_text(f) for f in files]
+    if not any(t.strip() for t in texts):  # (found once the bar had started: "the filler texts have 0 tokens")
+        raise AhakvError(f"{', '.join(files)}: no text to fill the prompts with")
     rule = specs_rule(names, factors, readings, layouts, n_sink=sinks, n_recent=recent)
     n_items = len(task_list) * len(deps) * trials
     with _bar("eval longdoc", sum(len(rule(n)) for n in lens) * n_items) as bar:

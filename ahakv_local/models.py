@@ -119,6 +119,8 @@ def resolve_model(model: str | None, progress: bool = False) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         raise AhakvError(f"{path} is a folder, not a model file (give the .gguf inside it)")
+    if path.exists() and not path.is_file():  # (/dev/null, a FIFO: "model file not found")
+        raise AhakvError(f"not a model file: {path} is a pipe or a device")
     if not path.is_file():
         raise AhakvError(f"model file not found: {path}")
     try:

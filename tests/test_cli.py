@@ -49,6 +49,8 @@ def test_missing_model_file(tmp_path):
             r"error: model file not found: .*nope\.gguf",
         )
     assert_one_line_error(ahakv("info", str(tmp_path)), r"error: .* is a folder, not a model file")
+    # it exists: "model file not found" sent the user looking for a file that is there
+    assert_one_line_error(ahakv("info", "/dev/null"), r"error: not a model file: /dev/null is a pipe or a device")
 
 
 def test_the_default_model_is_assembled_beside_the_file_another_command_reads(tmp_path, monkeypatch):
@@ -930,6 +932,23 @@ def test_an_eval_request_that_cannot_run_is_refused_before_any_run(command, gemm
     assert not (tmp_path / "out" / "results.json").exists()
 
 
+def test_eval_input_errors_come_before_the_progress_bar(tmp_path):
+    """A K/V type the model's rows cannot hold and an empty filler were found once the model was loaded and the bar had
+    started: the error shared the bar's line on stderr."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = ["--out", str(tmp_path / "out")]
+    cases = [
+        (["ppl", "--tokens", "200", "--prefix", "16", "--budgets", "48", "--policies", "h2o", "--kv-type", "q8_0"],
+         r"error: a KV row of 16 values cannot be stored as q8_0 \(blocks of 32\)$"),
+        (["needle", "--filler", str(empty), "--lengths", "300", "--budgets", "100", "--policies", "h2o"],
+         r"error: .*empty\.txt is empty: a needle is hidden in filler text$"),
+        (["longdoc", "--filler", str(empty), "--lengths", "300"], r"error: .*empty\.txt: no text to fill the prompts"),
+    ]  # fmt: skip
+    for args, pattern in cases:
+        assert_one_line_error(ahakv("eval", args[0], "fixture", *args[1:], *out), pattern)
+
+
 def test_generate_checks_its_own_arguments(gemma_model, tmp_path):
     """-p and --query bytes that are not UTF-8 ended in a traceback with a budget; -n 0 exited 1 (a bad option value
     exits 2); --query over `--budget none` was ignored; a guided reading at --batch-size 1 was ignored (a prompt read
@@ -943,6 +962,14 @@ def test_generate_checks_its_own_arguments(gemma_model, tmp_path):
             rf"error: the text of {option} is not UTF-8 text \(byte \d+\)",
         )
     assert_one_line_error(ahakv("generate", model, "-p", "hi", "-n", "0"), r"error: Invalid value for '-n'", code=2)
+    # -p won and the file went unread, without a word; an empty --file read standard input
+    assert_one_line_error(
+        ahakv("generate", model, "-p", "hi", "-f", str(tmp_path / "doc.txt")),
+        r"error: give the prompt with -p or with --file, not both",
+    )
+    assert_one_line_error(
+        ahakv("generate", model, "-f", ""), r"error: --file needs a file name \(- for standard input\)"
+    )
     assert_one_line_error(
         ahakv("generate", model, "-p", "hi", "-n", "2", "--query", "What?", "--budget", "none"),
         r"error: --query guides the reading of a prompt longer than the budget: give a --budget too",
