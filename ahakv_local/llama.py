@@ -374,9 +374,11 @@ class Llama(llama_cpp.Llama):
     def set_kv_query(self, query: bool | str | None, prompt: str | Sequence[int] | None = None) -> None:
         """Set what the next prompt is read with: a question's text, True (the last paragraph of ``prompt``),
         "reconstruct" or "surprisal" (question-agnostic), or False / None (plainly)."""
+        what = "a question's text, True, False, 'reconstruct' or 'surprisal'"
         if query is not None and not isinstance(query, bool | str):
-            what = "a question's text, True, False, 'reconstruct' or 'surprisal'"
             raise AhakvError(f"kv_query must be {what}, not {query!r}")
+        if isinstance(query, str) and not query.strip():  # (read plainly, without a word: False says so)
+            raise AhakvError(f"kv_query must be {what}, not an empty text")
         if self._kv is None or not query:
             self._kv_guide = None
             return
@@ -421,7 +423,8 @@ class Llama(llama_cpp.Llama):
         if kv_query is True:  # the question is the last user message, not the template's last paragraph
             users = [m.get("content") for m in messages if m.get("role") == "user"]
             # its parts joined as the chat template renders them (with nothing between)
-            kv_query = (upstream.message_text(users[-1]) or None) if users else None
+            text = upstream.message_text(users[-1]) if users else ""
+            kv_query = text if text.strip() else None  # (a blank message: no question, the default reading)
         self._chat_question = kv_query
         try:
             return super().create_chat_completion(messages, *args, **kwargs)

@@ -85,7 +85,7 @@ NOT_SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # as the top level's ("include_usage": "yes" was true)
     include_usage: bool = False  # a last chunk, before [DONE], with no choice and the request's token counts
 
 

@@ -410,6 +410,10 @@ def test_bad_requests_are_openai_errors(server):
         ({"prompt": "x", "max_tokens": "5"}, "max_tokens: Input should be a valid integer"),
         ({"prompt": "x", "temperature": "0"}, "temperature: Input should be a valid number"),
         ({"prompt": "x", "max_tokens": 2.5}, "max_tokens: Input should be a valid integer"),
+        # and in the nested object: "yes" asked for the usage chunk
+        ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage"),
+        # an empty question was read plainly, without a word (false says so)
+        ({"prompt": "x", "kv_query": " "}, "kv_query must be a question's text, True, False, 'reconstruct' or"),
     ]
     for body, words in cases:
         status, answer = call(server, "/v1/completions", body)
