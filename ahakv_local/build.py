@@ -55,8 +55,30 @@ MARKER = "ahakv_build.json"  # written next to the installed llama_cpp package
 
 
 def leaves_out_amx() -> bool:
-    """Whether this platform's build adds ``NO_AMX_CMAKE_ARGS``: gcc or clang on x86-64 (MSVC has no AMX either)."""
-    return platform.machine().lower() in ("x86_64", "amd64") and sys.platform != "win32"
+    """Whether this platform's build adds ``NO_AMX_CMAKE_ARGS``: gcc or clang on x86-64 (MSVC has no AMX either) whose
+    C and C++ compilers take the flag. gcc before 11 knows no AMX and refuses it (Debian 11's gcc 10, RHEL 8's gcc 8:
+    the engine's build failed), and a compiler without AMX generates no AMX kernels, so nothing is left to leave out."""
+    on_x86 = platform.machine().lower() in ("x86_64", "amd64") and sys.platform != "win32"
+    return on_x86 and all(compiler_takes(os.environ.get(env) or default, NO_AMX_FLAG) for env, default in COMPILERS)
+
+
+COMPILERS = (("CC", "cc"), ("CXX", "c++"))  # CMake's C and C++ compilers where the environment names none
+
+
+@functools.cache
+def compiler_takes(compiler: str, flag: str) -> bool:
+    """Whether ``compiler`` compiles an empty C translation unit with ``flag``; True where it cannot be run at all
+    (CMake's own check will say what is missing)."""
+    argv = shlex.split(compiler)
+    if not argv or shutil.which(argv[0]) is None:
+        return True
+    try:
+        proc = subprocess.run(
+            [*argv, flag, "-x", "c", "-c", "-", "-o", os.devnull], input=b"int x;\n", capture_output=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    return proc.returncode == 0
 
 
 @dataclass(frozen=True)

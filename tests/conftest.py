@@ -1,15 +1,23 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ahakv_local.models import default_model_path, fixture_path
 
 import device
 
+LICENSES = Path("/usr/share/common-licenses")
+
 
 def pytest_configure(config):
     if device.DEVICE and device.DEVICE not in device.REGISTRY_NAMES:
         raise pytest.UsageError(f"AHAKV_TEST_DEVICE={device.DEVICE}: not one of {', '.join(device.REGISTRY_NAMES)}")
+    if not (LICENSES / "GPL-3").is_file():  # (a dozen files failed at their first read, each a FileNotFoundError)
+        raise pytest.UsageError(
+            f"the tests read real text from {LICENSES}, which Debian's and Ubuntu's base-files ship"
+        )
     config.addinivalue_line("markers", "device: its models run on AHAKV_TEST_DEVICE (tests/device.py)")
 
 

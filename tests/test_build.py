@@ -88,6 +88,24 @@ def test_a_plain_build_keeps_an_installed_rpc_engine(monkeypatch):
         build.ensure_engine(rpc=True)
 
 
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="AMX is an x86 extension")
+def test_a_compiler_that_refuses_the_amx_flag_builds_without_it(tmp_path, monkeypatch):
+    """gcc before 11 knows no AMX and refuses -mno-amx-int8 (Debian 11, RHEL 8: the engine's build failed); such a
+    compiler generates no AMX kernels, so the flag is left out for it. Stand-ins: a compiler refusing any -m flag it
+    is given, and one taking it."""
+    for name, code in (("old-cc", 1), ("new-cc", 0)):
+        script = tmp_path / name
+        script.write_text(f'#!/bin/sh\ncase "$*" in *-mno-amx-int8*) exit {code};; esac\nexit 0\n')
+        script.chmod(0o755)
+    build.compiler_takes.cache_clear()
+    monkeypatch.setenv("CC", str(tmp_path / "old-cc"))
+    monkeypatch.setenv("CXX", str(tmp_path / "new-cc"))
+    assert not build.leaves_out_amx() and not set(build.NO_AMX_CMAKE_ARGS) & set(build.plan().cmake_args)
+    monkeypatch.setenv("CC", str(tmp_path / "new-cc"))
+    assert build.leaves_out_amx() and set(build.NO_AMX_CMAKE_ARGS) <= set(build.plan().cmake_args)
+    build.compiler_takes.cache_clear()
+
+
 @pytest.mark.skipif(not build.leaves_out_amx(), reason="AMX is an x86 extension (gcc or clang)")
 def test_the_x86_engine_leaves_out_ggml_s_amx_kernels():
     """ggml's AMX matrix product crashes on Sapphire Rapids with Q4_K weights (llama.cpp#20824): the plan asks
