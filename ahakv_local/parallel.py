@@ -178,10 +178,6 @@ class SequencePool:
         for s, row in zip(seqs, logits, strict=True):
             self._take(s, row)
 
-    def cancel_all(self, reason: str = "cancelled") -> None:
-        for seq in list(self.active):
-            self._finish(seq, "", reason)
-
     # -- one sequence ----------------------------------------------------------------------------------------
 
     def _take(self, seq: int, logits: np.ndarray) -> None:
