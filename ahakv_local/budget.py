@@ -145,6 +145,21 @@ NO_EVICTION = Budget("none")  # the full cache: every position is kept
 Reading = Literal["plain", "query", "reconstruct", "surprisal"]
 READINGS: tuple[str, ...] = get_args(Reading)
 QUESTION_AGNOSTIC: tuple[str, ...] = ("reconstruct", "surprisal")  # readings no question guides
+# the drop-in's and the server's kv_query: a question's text, True (the request's own question), False or None
+# (plainly), or a question-agnostic reading by name
+KVQuery = bool | str | None
+
+
+def kv_query_of(reading: Reading) -> bool | str:
+    """The kv_query a reading (the command line's ``--reading``) is asked with."""
+    return {"query": True, "plain": False}.get(reading, reading)
+
+
+def reading_of(kv_query: bool | str | None) -> Reading:
+    """The reading a ``Llama`` opened with ``kv_query`` (True, False, None or a reading by name) lays its caches out
+    for (``guide_room``)."""
+    return "query" if kv_query is True else kv_query or "plain"
+
 
 # A question guides the reading of a long prompt by its last QUERY_TOKENS tokens (the suite's questions, 14-23
 # tokens, whole), decoded behind each span of the prompt: a chunk and what the question leaves of the room behind

@@ -15,7 +15,7 @@ import click
 from click.core import ParameterSource
 
 from . import __version__
-from .budget import DEFAULT_LAYER_BUDGETS, KV_TYPE_AUTO, LAYER_BUDGETS, READINGS
+from .budget import DEFAULT_LAYER_BUDGETS, KV_TYPE_AUTO, LAYER_BUDGETS, READINGS, kv_query_of
 from .cli_eval import (
     Count,
     Positive,
@@ -375,7 +375,7 @@ def load_llama(
             kv_error_tol=error_tol,
             kv_evict_every=evict_every,
             kv_observe_steps=observe_steps,
-            kv_query={"query": True, "plain": False}.get(reading, reading),
+            kv_query=kv_query_of(reading),
             kv_layer_budgets=layer_budgets,  # None: the product's layout for the model (budget.default_layer_budgets)
             rpc_servers=rpc,
             **extra,
@@ -630,8 +630,9 @@ def serve(model, host, port, max_tokens_limit, parallel, **engine) -> None:
     if parallel > 1:
         pool = load_pool(model, parallel, **engine)
         path = pool.engine.path
-        query = {"query": True, "plain": False}.get(engine["reading"], engine["reading"])
-        app = create_app(pool, model_name=path.name, max_tokens_limit=max_tokens_limit, default_query=query)
+        app = create_app(
+            pool, model_name=path.name, max_tokens_limit=max_tokens_limit, default_query=kv_query_of(engine["reading"])
+        )
     else:
         llm = load_llama(model, **engine)
         path = llm.model_path

@@ -42,6 +42,7 @@ from .budget import (
     Budget,
     check_trained_context,
     default_layer_budgets,
+    reading_of,
     room_short,
 )
 from .controller import ControllerStats, KVController, Reconstruct
@@ -50,7 +51,7 @@ from .errors import AhakvError
 from .info import check_kv_types, read_info, reading_headers_once
 from .native import MAX_THREADS
 from .policies import KINDS, make_policy
-from .session import SessionSpec, guide
+from .session import SessionSpec, check_kv_query, guide_of
 from .textfile import last_paragraph
 
 
@@ -265,7 +266,7 @@ class Llama(llama_cpp.Llama):
         budget = Budget.parse(kv_budget, min_ratio=kv_min_ratio, max_ratio=kv_max_ratio, error_tol=kv_error_tol)
         # the reading its cells leave room for: a chat over documents (kv_reuse_compressed) reads them
         # question-agnostically (/read), which needs a reconstruction pass's room, more than a question's
-        reading = "query" if kv_query is True else kv_query or "plain"
+        reading = reading_of(kv_query)
         if kv_reuse_compressed and reading == "query":
             reading = "reconstruct"
         if kv_layer_budgets is None:
@@ -374,11 +375,7 @@ class Llama(llama_cpp.Llama):
     def set_kv_query(self, query: bool | str | None, prompt: str | Sequence[int] | None = None) -> None:
         """Set what the next prompt is read with: a question's text, True (the last paragraph of ``prompt``),
         "reconstruct" or "surprisal" (question-agnostic), or False / None (plainly)."""
-        what = "a question's text, True, False, 'reconstruct' or 'surprisal'"
-        if query is not None and not isinstance(query, bool | str):
-            raise AhakvError(f"kv_query must be {what}, not {query!r}")
-        if isinstance(query, str) and not query.strip():  # (read plainly, without a word: False says so)
-            raise AhakvError(f"kv_query must be {what}, not an empty text")
+        check_kv_query(query)
         if self._kv is None or not query:
             self._kv_guide = None
             return
@@ -388,17 +385,11 @@ class Llama(llama_cpp.Llama):
                 f"kv_query 'reconstruct' decodes a repetition of {needs} tokens beside each chunk, and this Llama's "
                 f"caches keep {room}: open it with kv_query='reconstruct' (or kv_reuse_compressed=True)"
             )
-        if query in QUESTION_AGNOSTIC:
-            self._kv_guide = guide(query, None, self._kv_engine)
-            return
-        if query is True:
-            if prompt is None:
-                self._kv_guide = None
-                return
+        question = None  # True: the prompt's last paragraph
+        if query is True and prompt is not None:
             text = prompt if isinstance(prompt, str) else self.detokenize(list(prompt)).decode(errors="replace")
-            query = last_paragraph(text)
-        tokens = self.tokenize(query.encode(), add_bos=False, special=False)  # read by its last tokens (prefill)
-        self._kv_guide = guide("query", tokens, self._kv_engine)
+            question = last_paragraph(text)
+        self._kv_guide = guide_of(query, question, self._kv_engine)
 
     def create_completion(self, prompt, *args, kv_query: bool | str | None = None, **kwargs):
         """llama-cpp-python's, plus ``kv_query``: the question a long prompt is read with (see the module)."""
@@ -423,8 +414,9 @@ class Llama(llama_cpp.Llama):
         if kv_query is True:  # the question is the last user message, not the template's last paragraph
             users = [m.get("content") for m in messages if m.get("role") == "user"]
             # its parts joined as the chat template renders them (with nothing between)
+            # a blank message asks nothing: read plainly, as the parallel server does (``guide_of``)
             text = upstream.message_text(users[-1]) if users else ""
-            kv_query = text if text.strip() else None  # (a blank message: no question, the default reading)
+            kv_query = text if text.strip() else False
         self._chat_question = kv_query
         try:
             return super().create_chat_completion(messages, *args, **kwargs)

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .budget import QUESTION_AGNOSTIC, Budget, cells_for
+from .budget import Budget, cells_for
 from .controller import Reconstruct, step_batch
 from .engine import Engine
 from .errors import AhakvError
 from .policies import Policy, make_policy
-from .session import SessionSpec, guide
+from .session import SessionSpec, guide_of
 from .textfile import last_paragraph
 
 TOP_K = 40  # llama-cpp-python's default for completions
@@ -265,11 +265,4 @@ def prompt_of(engine: Engine, kind: str, payload, kv_query, default_query) -> tu
     else:
         tokens, stop = engine.tokenize(payload, add_bos=True, special=True), []
         question = last_paragraph(payload) or None
-    query = default_query if kv_query is None else kv_query
-    if query in QUESTION_AGNOSTIC:
-        return tokens, stop, guide(query, None, engine)
-    if query is True:
-        query = question
-    if not query:
-        return tokens, stop, None
-    return tokens, stop, guide("query", engine.tokenize(query, add_bos=False), engine)
+    return tokens, stop, guide_of(default_query if kv_query is None else kv_query, question, engine)

@@ -55,6 +55,7 @@ from .errors import AhakvError
 from .llama import Llama, Stopped, llama_response_format
 from .parallel import RANDOM_SEED, Generation, Sampling, SequencePool, prompt_of
 from .policies import Policy, make_policy, query_readers
+from .session import check_kv_query
 
 log = logging.getLogger("ahakv_local.server")
 
@@ -348,11 +349,12 @@ def usage_chunk(last: dict, usage: dict) -> dict:
     return {**{k: last[k] for k in ("id", "object", "created", "model")}, "choices": [], "usage": usage}
 
 
-def check_kv_query(query: bool | str | None, policy: Policy | None, room: int = 0, chunk: int = 0) -> None:
+def check_request_query(query: bool | str | None, policy: Policy | None, room: int = 0, chunk: int = 0) -> None:
     """Refuse a request's kv_query that nothing would read (a 200 that dropped it, as the CLI refuses --query): any
     without a budget, a question or a reconstruction with a policy that has no question score, a reconstruction in
     caches that keep no room for its repetition (``room``: what they keep beside a chunk of ``chunk``; read plainly
     once the cache was full, most chunks went without it). surprisal reads with any policy."""
+    check_kv_query(query)  # one of its forms (``session.guide_of`` reads it)
     if query is None or query is False:
         return
     if policy is None:
@@ -539,7 +541,9 @@ class SerialRunner:
         kv = self.llm.kv_controller
         asked = make_policy(req.kv_policy) if req.kv_policy is not None else None
         room, chunk = (kv.config.room, kv.engine.config.n_ubatch) if kv is not None else (0, 0)
-        check_kv_query(req.kv_query, asked if asked is not None else kv.policy if kv is not None else None, room, chunk)
+        check_request_query(
+            req.kv_query, asked if asked is not None else kv.policy if kv is not None else None, room, chunk
+        )
         if req.kv_budget is None and req.kv_policy is None:
             yield
             return
@@ -675,7 +679,9 @@ class ParallelRunner:
             if req.kv_budget is not None:
                 budget = Budget.parse(req.kv_budget)
             chunk = self.pool.engine.config.n_ubatch
-            check_kv_query(req.kv_query, self.pool.check(budget, req.kv_policy)[1], self.pool.spec.room(chunk), chunk)
+            check_request_query(
+                req.kv_query, self.pool.check(budget, req.kv_policy)[1], self.pool.spec.room(chunk), chunk
+            )
             sampling = Sampling(
                 max_tokens=kw["max_tokens"],
                 temperature=req.temperature,

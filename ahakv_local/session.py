@@ -20,10 +20,12 @@ from .budget import (
     KV_TYPE_AUTO,
     LONGEST_PERIOD,
     NO_EVICTION,
+    QUESTION_AGNOSTIC,
     READINGS,
     Allocation,
     Budget,
     CacheLayout,
+    KVQuery,
     LayerBudgets,
     Reading,
     allocate,
@@ -328,6 +330,28 @@ class BoundedSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_kv_query(query: KVQuery) -> None:
+    """Refuse a kv_query that is none of its forms (an empty text was read plainly, without a word)."""
+    what = "a question's text, True, False, 'reconstruct' or 'surprisal'"
+    if query is not None and not isinstance(query, bool | str):
+        raise AhakvError(f"kv_query must be {what}, not {query!r}")
+    if isinstance(query, str) and not query.strip():
+        raise AhakvError(f"kv_query must be {what}, not an empty text")
+
+
+def guide_of(query: KVQuery, question: str | None, engine: Engine) -> Sequence[int] | Reconstruct | Surprisal | None:
+    """What a request's prompt is read with for its ``kv_query`` (``guide``), the one rule of the drop-in and the
+    parallel server: a question-agnostic reading by name; a question's text; True the request's own ``question`` (the
+    last user message, a completion's last paragraph; none, or a blank one: plainly); False or None plainly."""
+    check_kv_query(query)
+    if query in QUESTION_AGNOSTIC:
+        return guide(query, None, engine)
+    text = question if query is True else query or None
+    if not text or not text.strip():
+        return None
+    return guide("query", engine.tokenize(text, add_bos=False, special=False), engine)  # read by its last tokens
 
 
 def guide(

@@ -168,6 +168,15 @@ def test_an_unseeded_request_draws_its_own_seed(fixture_model, parallel):
     assert answers[5, 0] == answers[5, 1]
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["one at a time", "parallel"])
+def test_an_empty_question_is_refused_on_both_servers(fixture_model, parallel):
+    """kv_query "" or blank was read plainly without a word (session.guide_of is both servers' one rule now)."""
+    with served(fixture_model, parallel) as base:
+        for query in ("", "  "):
+            status, out = call(base, "/v1/completions", {"prompt": "x", "max_tokens": 1, "kv_query": query})
+            assert status == 400 and "not an empty text" in out["error"]["message"], out
+
+
 def test_a_request_without_max_tokens_gets_llama_cpp_python_s_defaults(fixture_model):
     """A completion 16 tokens, a chat's answer up to the server's limit (llama-cpp-python's server and OpenAI's
     defaults; both were 256). Greedy continuations of the fixture end at no end-of-generation token here."""
@@ -252,10 +261,10 @@ def test_a_reconstruction_needs_the_room_of_its_repetition():
     such a request was read plainly once the cache was full. Known answers from ``guide_room``."""
     from ahakv_local.errors import AhakvError
     from ahakv_local.policies import make_policy
-    from ahakv_local.server import check_kv_query
+    from ahakv_local.server import check_request_query
 
     ahakv = make_policy("ahakv")
-    check_kv_query("reconstruct", ahakv, room=96, chunk=64)  # a server started with --reading reconstruct
-    check_kv_query("Who may copy it?", ahakv, room=64, chunk=64)  # a question fits the question's room
+    check_request_query("reconstruct", ahakv, room=96, chunk=64)  # a server started with --reading reconstruct
+    check_request_query("Who may copy it?", ahakv, room=64, chunk=64)  # a question fits the question's room
     with pytest.raises(AhakvError, match='kv_query "reconstruct" decodes a repetition of 96 tokens .* keep 64'):
-        check_kv_query("reconstruct", ahakv, room=64, chunk=64)
+        check_request_query("reconstruct", ahakv, room=64, chunk=64)
