@@ -43,6 +43,11 @@ class Budget:
         if self.min_ratio > self.max_ratio:
             raise AhakvError(f"min_ratio {self.min_ratio} is more than max_ratio {self.max_ratio}")
 
+    def parsed(self, text: str | int | float) -> Budget:
+        """Another budget from ``text`` with this one's auto parameters (min and max ratio, error tolerance): what a
+        chat's /budget or a server request's kv_budget sets in a session opened with them."""
+        return Budget.parse(text, min_ratio=self.min_ratio, max_ratio=self.max_ratio, error_tol=self.error_tol)
+
     @classmethod
     def parse(cls, text: str | int | float, **kw) -> Budget:
         """'128' -> 128 cells, '0.25' or '25%' -> a quarter of the tokens seen, 'auto' -> error-driven,

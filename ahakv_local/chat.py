@@ -22,7 +22,7 @@ from typing import NamedTuple
 import click
 
 from . import upstream
-from .budget import Budget, room_short
+from .budget import room_short
 from .errors import AhakvError
 from .llama import Llama, Stopped
 from .paths import cache_dir
@@ -186,12 +186,7 @@ class ChatSession:
 
     def set_budget(self, text: str) -> str:
         kv = self._controller()
-        b = Budget.parse(
-            text,
-            min_ratio=kv.config.budget.min_ratio,
-            max_ratio=kv.config.budget.max_ratio,
-            error_tol=kv.config.budget.error_tol,
-        )
+        b = kv.config.budget.parsed(text)
         before = kv.engine.kv_bytes()
         # checks the floor, the allocated cells and the policy's capability; bytes re-size the caches to them
         evicted = kv.set_budget(b, resize=True)

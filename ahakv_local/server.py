@@ -552,8 +552,7 @@ class SerialRunner:
         saved_budget, saved_policy = kv.config.budget, kv.policy
         budget, policy = saved_budget, saved_policy
         if req.kv_budget is not None:  # with the server's auto-budget parameters
-            s = saved_budget
-            budget = Budget.parse(req.kv_budget, min_ratio=s.min_ratio, max_ratio=s.max_ratio, error_tol=s.error_tol)
+            budget = saved_budget.parsed(req.kv_budget)
         if asked is not None:
             policy = asked
         kv.check_budget(budget, policy, new_sequence=True)  # nothing has changed yet; it is read from the start

@@ -38,6 +38,10 @@ def test_budget_meanings():
         "auto",
         "full cache",
     ]
+    # a /budget or a request's kv_budget keeps the session's auto parameters
+    opened = Budget.parse("auto", min_ratio=0.2, max_ratio=0.3, error_tol=0.05)
+    assert opened.parsed("auto") == opened and opened.parsed("25%").error_tol == 0.05
+    assert (opened.parsed(64).value, opened.parsed(64).min_ratio, opened.parsed(64).max_ratio) == (64, 0.2, 0.3)
 
 
 def test_specs_are_checked_before_any_model_loads():
