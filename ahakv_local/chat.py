@@ -55,6 +55,8 @@ class ChatSession:
     top_p: float = 0.95
     seed: int = 0
     messages: list[dict] = field(default_factory=list)
+    said: str = field(default="", init=False)  # the last answer's text, as far as it went
+    cut_by_context: bool = field(default=False, init=False)  # the last answer ended at the context's end
 
     def __post_init__(self) -> None:
         self.reset()
@@ -62,6 +64,7 @@ class ChatSession:
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.llm.reset()
+        self.llm.reset_timings()  # (/stats after /reset showed the last conversation's prompt tokens and speeds)
         self._pin_system_prompt()
 
     def _pin_system_prompt(self) -> None:
@@ -103,6 +106,7 @@ class ChatSession:
         self.llm.reset_timings()
         self.llm.should_stop = stop  # a long message is read in chunks: a first Ctrl-C stops between two of them
         reply: list[str] | None = []
+        self.cut_by_context = False
         try:
             stream = self.llm.create_chat_completion(
                 messages=self.messages,
@@ -115,6 +119,9 @@ class ChatSession:
             )
             for chunk in stream:
                 piece = chunk["choices"][0]["delta"].get("content") or ""
+                # "length" before max_tokens: llama-cpp-python cut the answer to the context, silently
+                if chunk["choices"][0].get("finish_reason") == "length":
+                    self.cut_by_context = self.llm.kv_stats().sampled_tokens < self.max_tokens
                 reply.append(piece)
                 out.write(piece)
                 out.flush()
@@ -134,6 +141,7 @@ class ChatSession:
             raise
         finally:
             self.llm.should_stop = lambda: False
+            self.said = "".join(reply or [])
             if reply is not None:  # what was said stays, also when a second Ctrl-C ends the chat
                 self.messages.append({"role": "assistant", "content": "".join(reply)})
         return "".join(reply)
@@ -161,6 +169,8 @@ class ChatSession:
                 )
                 lines.append(f"{'kv by kind':18s} {kinds or '-'} (used of allocated)")
             elif k == "kv_group_bytes":  # one line a group, by layer (the caches come full-attention ones first)
+                if not v:  # (a chat without a budget: a header over no rows)
+                    continue
                 lines.append(f"{'kv by group':18s} used of allocated")
                 lines += [
                     f"  {name:16s} {kv_size(u)} of {kv_size(a)}" for name, (a, u) in sorted(v.items(), key=_by_layer)
@@ -365,29 +375,35 @@ def keep_transcript(session: ChatSession) -> None:
     click.echo(f"conversation saved to {path}", err=True)
 
 
+# a Ctrl-C at the prompt this soon after one stopped an answer or a /read is the second of "twice to quit"; later, it
+# warns first (a Ctrl-C minutes after a stopped answer, to clear a half-typed line, quit the chat)
+QUIT_WINDOW = 2.0  # seconds
+
+
 def _repl(session: ChatSession) -> None:
     out = sys.stdout
     setup_history()
     click.echo("ahakv-local chat - /help for commands, Ctrl-C stops an answer, twice to quit", err=True)
-    interrupted = False
+    warned, stopped_at = False, None  # the prompt said "again to quit"; when a Ctrl-C last stopped an answer
     while True:
         try:
             text, block, lines = read_message("> ")
         except EOFError:
-            click.echo()
+            click.echo(err=True)  # (to the terminal: `chat < questions > answers` got an empty last line)
             return
         except KeyboardInterrupt:
-            if interrupted:
-                click.echo()
+            if warned or (stopped_at is not None and time.monotonic() - stopped_at < QUIT_WINDOW):
+                click.echo(err=True)
                 return
-            interrupted = True
+            warned = True
             click.echo("\n(Ctrl-C again to quit, or /exit)", err=True)
             continue
-        interrupted = False
+        warned, stopped_at = False, None
         if not text.strip():
             continue
         if text.startswith("/") and not block:  # (a block's "/etc/hosts maps names ..." is a message)
             cmd, _, arg = text.strip().partition(" ")
+            cmd = cmd.lower()  # ("/HELP" was an unknown command)
             try:
                 if lines > 1:  # "/save notes\" and "for monday.chat": a file name with a newline in it
                     raise AhakvError(f"{cmd} takes one line: a line ending in \\ continues a message, not a command")
@@ -395,6 +411,8 @@ def _repl(session: ChatSession) -> None:
                     return
                 with StopOnInterrupt() as stop:  # the first Ctrl-C stops a /read, a second one exits
                     msg = command(session, cmd, arg.strip(), stop)
+                if stop():
+                    stopped_at = time.monotonic()
             except AhakvError as exc:
                 msg = f"error: {exc}"
             except Exception as exc:  # a bug must not end the session and lose the conversation
@@ -417,13 +435,23 @@ def _repl(session: ChatSession) -> None:
                 stopped = "[stopped while reading the message: not sent]"
             except (AhakvError, ValueError) as exc:  # e.g. the trained context is full
                 # positions never shift: a conversation that reached the model's trained context goes no further,
-                # and one without a budget none past its context (-c)
-                click.echo(f"\nerror: {exc}{full_context_hint(session, str(exc), text)}", err=True)
+                # and one without a budget none past its context (-c). Nothing was sent: one line, as a message
+                # that is not UTF-8 (a stats line of "0.0 t/s" and an empty line in the answers followed it)
+                if session.said:  # (part of an answer was written: its line ends)
+                    out.write("\n")
+                    out.flush()
+                click.echo(f"error: {exc}{full_context_hint(session, str(exc), text)}", err=True)
+                if stop():
+                    stopped_at = time.monotonic()
+                continue
             out.write("\n")
             out.flush()
             if stop():
                 click.echo(stopped, err=True)
-                interrupted = True
+                stopped_at = time.monotonic()
+            elif session.cut_by_context:  # (the answer stopped mid-sentence, and nothing said why)
+                hint = full_context_hint(session, "exceed context window", text) or " (/save it, then /reset)"
+                click.echo(f"[the context is full: the answer stops here{hint}]", err=True)
             click.echo(session.stats_line() + f" {time.perf_counter() - t0:.1f} s", err=True)
 
 
@@ -438,7 +466,11 @@ def _by_layer(item: tuple[str, object]) -> tuple[int, str]:
 
 
 def command(session: ChatSession, cmd: str, arg: str, stop: Callable[[], bool] = lambda: False) -> str:
-    """Run one /command; ``stop()`` (a first Ctrl-C) ends a long one, /read, early."""
+    """Run one /command; ``stop()`` (a first Ctrl-C) ends a long one, /read, early. A file name may be quoted."""
+    if len(arg) >= 2 and arg[0] == arg[-1] and arg[0] in "'\"":  # a file name quoted (a terminal's drag and drop)
+        arg = arg[1:-1]
+    if cmd in ("/help", "/reset", "/stats") and arg:  # ("/reset please" cleared the conversation)
+        raise AhakvError(f"{cmd} takes no argument")
     if cmd == "/help":
         return HELP
     if cmd == "/reset":
@@ -448,6 +480,8 @@ def command(session: ChatSession, cmd: str, arg: str, stop: Callable[[], bool] =
     if cmd == "/stats":
         return session.stats_report()
     if cmd == "/policy":
+        if not arg and session.llm.kv_controller is None:
+            return "policy: full (this chat runs without a budget)"
         return session.set_policy(arg) if arg else f"policy: {session._controller().policy.name}"
     if cmd == "/budget":
         return session.set_budget(arg) if arg else f"budget: {session._controller().config.budget}"

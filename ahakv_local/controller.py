@@ -793,8 +793,8 @@ class KVController:
         self._pending = 0  # the summed rows may include forgotten positions' queries: drop them
         self._surprisal_row = None  # (a piece's last row: it predicted a position the rewind may replace)
         self.stats.tokens_seen = n
-        if n == 0:
-            self.stats.peak_cells = 0
+        if n == 0:  # a new sequence: its own peak, and no retained mass before its first eviction (/stats after
+            self.stats.peak_cells, self.stats.retained_mass = 0, []  # a /reset showed the last conversation's)
         self._count()  # from n = 0, the budget's own target: the last decision belonged to the forgotten sequence
 
     def resume_point(self, n: int) -> int:

@@ -1310,3 +1310,100 @@ def test_a_document_past_the_full_cache_s_context_is_one_line_and_leaves_nothing
         assert talk(s, "and now?") is not None
     finally:
         llm.close()
+
+
+def run_repl(chat, monkeypatch, said: list, quit_window: float | None = None) -> None:
+    """chat's REPL over ``said``: (text, block, lines) typed, or KeyboardInterrupt (a Ctrl-C at the prompt), or
+    "stop" (a message whose answer a Ctrl-C stops as it streams); it ends at the input's end or by quitting."""
+    import signal
+
+    from ahakv_local import chat as chat_module
+
+    typed = iter(said)
+
+    def read_message(prompt):
+        item = next(typed, None)
+        if item is None:
+            raise EOFError
+        if item is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        if item == "stop":
+            real = chat.answer
+
+            class Interrupting:  # the Ctrl-C lands as the first piece of the answer is written
+                def write(self, piece: str) -> None:
+                    if piece:
+                        os.kill(os.getpid(), signal.SIGINT)
+                    sys.stdout.write(piece)
+
+                def flush(self) -> None:
+                    sys.stdout.flush()
+
+            def answer(text, out, stop):
+                return real(text, Interrupting(), stop)
+
+            monkeypatch.setattr(chat, "answer", answer)
+            return ("count on", False, 1)
+        monkeypatch.setattr(chat, "answer", type(chat).answer.__get__(chat))
+        return item
+
+    monkeypatch.setattr(chat_module, "read_message", read_message)
+    monkeypatch.setattr(chat_module, "setup_history", lambda: None)
+    if quit_window is not None:
+        monkeypatch.setattr(chat_module, "QUIT_WINDOW", quit_window)
+    chat_module._repl(chat)
+
+
+@pytest.mark.parametrize(("window", "quits"), [(0.0, False), (60.0, True)])
+def test_a_ctrl_c_at_the_prompt_long_after_a_stopped_answer_warns_first(chat, monkeypatch, capsys, window, quits):
+    """The Ctrl-C that stopped an answer left the chat one Ctrl-C from quitting for as long as the prompt waited: one
+    pressed minutes later (to clear a half-typed line) quit without a word. Within QUIT_WINDOW it is the second of
+    "twice to quit"; later it warns first."""
+    run_repl(chat, monkeypatch, ["stop", KeyboardInterrupt, ("hello", False, 1)], quit_window=window)
+    err = capsys.readouterr().err
+    assert "[answer stopped]" in err
+    assert ("(Ctrl-C again to quit" in err) is not quits
+    assert chat.messages[-2]["content"] == ("count on" if quits else "hello")  # the chat went on: "hello" was sent
+
+
+def test_a_refused_message_is_one_line_and_nothing_else(chat, monkeypatch, capsys):
+    """A message longer than the model's context printed its error, then a stats line of "0.0 t/s" and an empty line
+    among the answers; one that is not UTF-8 printed the error alone. Both print the error alone now."""
+    long = "word " * 5000  # past the fixture's trained context
+    bad = b"caf\xe9".decode("utf-8", "surrogateescape")
+    run_repl(chat, monkeypatch, [(long, False, 1), (bad, False, 1)])
+    out, err = capsys.readouterr()
+    assert out == ""  # nothing was answered
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("ahakv-local chat")]
+    assert len(lines) == 2 and all(line.startswith("error: ") for line in lines), lines
+    assert len(chat.messages) == 1  # the system prompt alone: both were taken back
+
+
+def test_commands_are_case_blind_refuse_stray_arguments_and_take_quoted_names(chat, tmp_path, capsys):
+    """/HELP was an unknown command; "/reset please" cleared the conversation; /read "doc.txt" looked for a file
+    named with its quotes; /stats after /reset showed the last conversation's retained mass and speeds; a chat
+    without a budget answered /policy with an error."""
+    from ahakv_local.chat import HELP, command
+
+    talk(chat, "Tell me a story about " + "dragons and knights " * 30)  # past the 64-cell budget: evictions
+    assert chat.llm.kv_controller.stats.retained_mass
+    with pytest.raises(AhakvError, match="^/reset takes no argument$"):
+        command(chat, "/reset", "please")
+    assert len(chat.messages) == 3
+    command(chat, "/reset", "")
+    assert "retained mass" not in command(chat, "/stats", "") and "prompt_tokens      0" in command(chat, "/stats", "")
+    doc = tmp_path / "my doc.txt"
+    doc.write_text("The lighthouse keeper's name is Ada. " * 3)
+    assert command(chat, "/read", f'"{doc}"').startswith("read my doc.txt")
+    assert command(chat, "/help", "") == HELP
+    with Llama(str(chat.llm.model_path), n_ctx=256, verbose=False) as full:
+        assert command(ChatSession(full, None), "/policy", "") == "policy: full (this chat runs without a budget)"
+
+
+def test_an_answer_cut_by_the_end_of_the_context_says_so(fixture_model, monkeypatch, capsys):
+    """Without a budget llama-cpp-python cuts max_tokens to what the context (-c) still holds: the answer stopped
+    mid-sentence, and nothing said why."""
+    with Llama(str(fixture_model), n_ctx=256, verbose=False) as llm:
+        s = ChatSession(llm, None, max_tokens=400, temperature=0.0)
+        run_repl(s, monkeypatch, [("one two three four five six", False, 1)])
+        assert s.cut_by_context and "[the context is full: the answer stops here" in capsys.readouterr().err
