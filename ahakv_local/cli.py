@@ -326,6 +326,22 @@ def asked_budget(budget: str | None, policy: str) -> str | None:
     return budget
 
 
+# the options of a bounded cache: without a budget every token is kept and none of them does anything
+BOUNDED_ONLY = ("policy", "layer_budgets", "sinks", "recent", "error_tol", "evict_every", "observe_steps", "reading")
+
+
+def refuse_unbounded_options(policy: str) -> None:
+    """Refuse an option of the bounded cache given on the command line where the command runs without a budget: it was
+    ignored without a word (``generate --policy h2o`` kept every token). The environment's (AHAKV_*) and the defaults
+    stay quiet: they are set for every command."""
+    for name in BOUNDED_ONLY:
+        if source(name) is ParameterSource.COMMANDLINE and not (name == "policy" and policy == "full"):
+            raise AhakvError(
+                f"--{name.replace('_', '-')} applies to a bounded KV cache: give a --budget too (without one every "
+                "token is kept)"
+            )
+
+
 def load_llama(
     model, ctx_size, budget, policy, sinks, recent, error_tol, evict_every, observe_steps, threads, n_gpu_layers,
     batch_size, reading="query", layer_budgets=None, rpc=None, **extra,
@@ -338,6 +354,8 @@ def load_llama(
     # the user's own mistakes first, before the model is assembled or read
     make_policy(policy)  # (a clear error for an unknown policy)
     budget = asked_budget(budget, policy)
+    if budget is None:
+        refuse_unbounded_options(policy)
     if budget is not None:
         refuse_unguided_reading(policy, reading)
     if budget is not None and batch_size == 1 and reading != "plain" and given("reading"):

@@ -932,6 +932,25 @@ def test_an_eval_request_that_cannot_run_is_refused_before_any_run(command, gemm
     assert not (tmp_path / "out" / "results.json").exists()
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["--policy", "h2o"], ["--budget", "none", "--policy", "tova"], ["--reading", "reconstruct"],
+     ["--layer-budgets", "uniform"], ["--sinks", "8"], ["--evict-every", "4"]],
+)  # fmt: skip
+def test_an_option_of_the_bounded_cache_without_a_budget_is_refused(args, monkeypatch):
+    """generate --policy h2o (no budget: its default) kept every token without a word, and so did every other
+    option of the bounded cache. Given on the command line they are refused; AHAKV_* variables stay quiet (they are
+    set for every command), and --policy full asks for what runs."""
+    option = args[-2]
+    assert_one_line_error(
+        ahakv("generate", "fixture", "-p", "hi", "-n", "1", *args),
+        rf"error: {option} applies to a bounded KV cache: give a --budget too \(without one every token is kept\)$",
+    )
+    monkeypatch.setenv("AHAKV_POLICY", "h2o")
+    assert ahakv("generate", "fixture", "-p", "hi", "-n", "1").returncode == 0
+    assert ahakv("generate", "fixture", "-p", "hi", "-n", "1", "--policy", "full").returncode == 0
+
+
 def test_eval_input_errors_come_before_the_progress_bar(tmp_path):
     """A K/V type the model's rows cannot hold and an empty filler were found once the model was loaded and the bar had
     started: the error shared the bar's line on stderr."""
