@@ -439,7 +439,7 @@ def chat(model, system, n_predict, temp, top_k, top_p, seed, **engine) -> None:
 
     if engine["budget"] is None and engine["policy"] != "full":
         engine["budget"] = "1024"  # the chat is the product: bounded by default (--policy full: every token, to -c)
-    system = argument_text(system, "-sys") if system else None  # before the model loads, as -p's check
+    system = argument_text(system, "-sys") if system.strip() else None  # before the model loads; "  " is none
     llm = load_llama(model, kv_reuse_compressed=True, **engine)
     install_sigint_default()
     session = ChatSession(llm, system, n_predict, temp, top_k, top_p, seed)
