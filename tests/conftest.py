@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from ahakv_local.fixture import FixtureSpec
 from ahakv_local.models import default_model_path, fixture_path
 
 import device
@@ -36,6 +37,19 @@ def pytest_report_header(config):
 @pytest.fixture(scope="session")
 def fixture_model():
     return fixture_path()
+
+
+@pytest.fixture(scope="session")
+def gemma3_fixture():
+    """The random-weight gemma3 GGUF: layer 0 slides over 24 positions (the sliding cache), layer 1 attends to
+    everything (the base cache)."""
+    return fixture_path(FixtureSpec(arch="gemma3"))
+
+
+@pytest.fixture(scope="session")
+def six_layers():
+    """Three sliding-window layers (0, 2, 4) and three full-attention ones (1, 3, 5): 768 bytes a cell, f16."""
+    return fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
 
 
 @pytest.fixture(scope="session")

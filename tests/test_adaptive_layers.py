@@ -25,8 +25,6 @@ from ahakv_local import adaptive
 from ahakv_local.adaptive import LayerShares, fill
 from ahakv_local.budget import ADAPTIVE_RANGE, Budget, allocate, whole_cells
 from ahakv_local.errors import AhakvError
-from ahakv_local.fixture import FixtureSpec
-from ahakv_local.models import fixture_path
 from ahakv_local.native import TapFlag
 from ahakv_local.policies import POLICIES, Observation
 from ahakv_local.session import SessionSpec, open_session
@@ -36,11 +34,6 @@ from numerics import norm_rtol
 from test_layer_groups import QK_OPS, check_rows_against_reference, make_engine, tokens
 
 EVICTING = sorted(set(POLICIES) - {"full"})
-
-
-@pytest.fixture(scope="module")
-def six_layers():
-    return fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
 
 
 # -- the engine: a context of new sizes keeps the sequence --------------------------------------------------

@@ -46,11 +46,6 @@ BASE, SLIDING = LayerCache.BASE, LayerCache.SLIDING
 GEMMA3_270M = CacheLayout(base_bytes=3 * 1024, sliding_bytes=15 * 1024, window=512)
 
 
-@pytest.fixture(scope="module")
-def gemma3_fixture():
-    return fixture_path(FixtureSpec(arch="gemma3"))
-
-
 # -- the grammar and the layout ---------------------------------------------------------------------------
 
 
@@ -269,12 +264,6 @@ def run_checked(path, text, spec: SessionSpec, prompt: int, steps: int, longest:
         shares = {"decisions": c.shares.decisions, "weights": c.shares.weights.copy()} if c.shares is not None else {}
         groups = {g.name: (g.live.copy(), g.evicted) for g in c.groups}
         return groups | {"every": every, "kv_bytes": e.kv_bytes()} | shares
-
-
-@pytest.fixture(scope="module")
-def six_layers():
-    """Three sliding-window layers (0, 2, 4) and three full-attention ones (1, 3, 5): 768 bytes a cell, f16."""
-    return fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
 
 
 @pytest.mark.parametrize("layer_budgets", ["uniform", "pyramid"])

@@ -30,8 +30,7 @@ import pytest
 from ahakv_local import native
 from ahakv_local.engine import Cache, Engine, EngineConfig, LayerCache, cache_name
 from ahakv_local.errors import AhakvError
-from ahakv_local.fixture import ARCH_HPARAMS, FixtureSpec
-from ahakv_local.models import fixture_path
+from ahakv_local.fixture import ARCH_HPARAMS
 from ahakv_local.native import TapFlag
 
 import device
@@ -44,11 +43,6 @@ N_UBATCH = 16
 BASE, SLIDING = LayerCache.BASE, LayerCache.SLIDING
 QK_OPS = {"Qcur-": ("ROPE",), "Kcur-": ("ROPE",)}
 pytestmark = pytest.mark.device
-
-
-@pytest.fixture(scope="module")
-def gemma3_fixture():
-    return fixture_path(FixtureSpec(arch="gemma3"))
 
 
 def make_engine(path, cap: Capture | None = None, **kw) -> Engine:

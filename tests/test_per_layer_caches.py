@@ -27,8 +27,6 @@ from ahakv_local import native
 from ahakv_local.budget import per_layer_groups
 from ahakv_local.engine import LayerCache
 from ahakv_local.errors import AhakvError
-from ahakv_local.fixture import FixtureSpec
-from ahakv_local.models import fixture_path
 from ahakv_local.native import TapFlag
 
 from capture import Capture
@@ -38,11 +36,6 @@ from test_layer_groups import QK_OPS, cell_bytes, check_rows_against_reference, 
 SLIDES = [True, False, True, False, True, False]  # the six-layer fixture, pattern 2
 PER_LAYER = per_layer_groups(SLIDES)  # (1, 0, 2, 3, 4, 5)
 pytestmark = pytest.mark.device
-
-
-@pytest.fixture(scope="module")
-def six_layers():
-    return fixture_path(FixtureSpec(arch="gemma3", n_layer=6))
 
 
 def test_per_layer_numbering():
