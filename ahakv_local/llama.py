@@ -54,6 +54,9 @@ from .policies import KINDS, make_policy
 from .session import SessionSpec, check_kv_query, guide_of
 from .textfile import last_paragraph
 
+# the ggml types llama.cpp's own tools offer for a KV cache (--cache-type-k), by their ggml_type number
+CACHE_GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
+
 
 def whole(n) -> int | None:
     """``n`` as an int where it is a whole number as ctypes takes one (numpy's integers too; not a bool: the
@@ -238,6 +241,10 @@ class Llama(llama_cpp.Llama):
                 if (n := whole(given)) is None or n > MAX_THREADS:
                     raise AhakvError(f"{name} must be a whole number up to {MAX_THREADS}, not {given!r}")
                 kwargs[name] = n
+        for name in ("type_k", "type_v"):  # (99: llama.cpp aborted the process as it sized the cache)
+            if (given := kwargs.get(name)) is not None and whole(given) not in CACHE_GGML_TYPES.values():
+                kinds = ", ".join(f"{n} ({t})" for t, n in CACHE_GGML_TYPES.items())
+                raise ValueError(f"{name} must be a ggml type llama.cpp keeps a KV cache in: {kinds}; not {given!r}")
         if kv_query not in (True, False, *QUESTION_AGNOSTIC):
             raise AhakvError(f"kv_query must be True, False, 'reconstruct' or 'surprisal', not {kv_query!r}")
         self._kv_query_default = kv_query
@@ -397,6 +404,14 @@ class Llama(llama_cpp.Llama):
             kv_query = self._chat_question if self._chat_question is not None else self._kv_query_default
         self.set_kv_query(kv_query, prompt)
         return super().create_completion(prompt, *args, **kwargs)
+
+    def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
+        """llama_cpp.Llama's; a token id outside the vocabulary is a ValueError (llama.cpp aborted the process)."""
+        n = self.n_vocab()
+        if len(tokens) and (min(tokens) < 0 or max(tokens) >= n):
+            bad = next(t for t in tokens if not 0 <= t < n)
+            raise ValueError(f"token id {bad} is outside the model's vocabulary of {n} tokens")
+        return super().detokenize(tokens, prev_tokens, special)
 
     def __call__(self, prompt, *args, kv_query: bool | str | None = None, **kwargs):
         """``create_completion``, as llama-cpp-python's (whose ``__call__`` takes the same parameters, in the same

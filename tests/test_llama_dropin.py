@@ -800,6 +800,39 @@ print("after a decode:", ref)
         assert lines[2].startswith("after a decode: [") and len(lines[2].split(",")) == 4
 
 
+def test_a_cache_type_or_token_id_llama_cpp_cannot_take_is_a_value_error():
+    """type_k=99 and detokenize([10**7]) (or [-1]) aborted the process in llama.cpp, as they do under
+    llama_cpp.Llama; a ggml type llama.cpp's tools offer for a cache still loads. In a child process: the old code's
+    abort would end the suite."""
+    code = """
+from ahakv_local import Llama
+from ahakv_local.models import fixture_path
+for kw in ({"type_k": 99}, {"type_v": 4}):
+    try:
+        Llama(str(fixture_path()), verbose=False, **kw)
+        print("loaded")
+    except ValueError as e:
+        print("refused:", e)
+llm = Llama(str(fixture_path()), verbose=False, type_k=0, type_v=0)  # f32: a cache type llama.cpp offers
+print("f32:", llm.n_vocab())
+for ids in ([10**7], [5, -1]):
+    try:
+        llm.detokenize(ids)
+        print("detokenized")
+    except ValueError as e:
+        print("refused:", e)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-800:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("refused: type_k must be a ggml type llama.cpp keeps a KV cache in: 0 (f32)")
+    assert lines[0].endswith("not 99") and lines[1].endswith("not 4") and lines[2] == "f32: 312"
+    assert lines[3:] == [
+        "refused: token id 10000000 is outside the model's vocabulary of 312 tokens",
+        "refused: token id -1 is outside the model's vocabulary of 312 tokens",
+    ]
+
+
 def test_a_pipe_as_the_model_path_is_refused_at_once(tmp_path):
     """The drop-in opened a named pipe given as its model and waited for a writer forever (the CLI checks first)."""
     import os
