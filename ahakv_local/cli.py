@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import math
 import os
 import sys
 
@@ -15,20 +14,27 @@ import click
 from click.core import ParameterSource
 
 from . import __version__
-from .budget import DEFAULT_LAYER_BUDGETS, KV_TYPE_AUTO, LAYER_BUDGETS, READINGS, kv_query_of
-from .cli_eval import (
+from .budget import DEFAULT_LAYER_BUDGETS, KV_TYPE_AUTO, LAYER_BUDGETS, kv_query_of
+from .cli_options import (
     Count,
+    FiniteRange,
     Positive,
+    evict_every_option,
     gpu_layers,
-    n_gpu_layers_option,
+    kv_type_option,
+    n_gpu_layers_default,
+    observe_steps_option,
     offloads_by_default,
     parse_rpc,
+    policy_option,
+    reading_option,
+    recent_option,
     rpc_option,
+    sinks_option,
     threads_option,
 )
 from .errors import AhakvError
 from .extras import require
-from .info import KV_CACHE_TYPES
 from .native import BUILD_HINT, MAX_THREADS
 from .textfile import read_stream, read_text, typed_text
 
@@ -87,16 +93,6 @@ def os_error_text(exc: OSError) -> str:
 WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
 
 
-class FiniteRange(click.FloatRange):
-    """A float range that refuses nan and infinities (click's range checks are all false for nan: --temp nan ran)."""
-
-    def convert(self, value, param, ctx):
-        number = super().convert(value, param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        return number
-
-
 @click.group(cls=Group)
 @click.version_option(__version__, prog_name="ahakv-local")
 def main() -> None:
@@ -146,17 +142,6 @@ def model_path(model: str | None) -> None:
     click.echo(resolve_model(model, progress=True))
 
 
-kv_type_option = click.option(  # the commands that load a model, and info, which states what they would allocate
-    "--kv-type",
-    type=click.Choice((KV_TYPE_AUTO, *KV_CACHE_TYPES)),
-    default=KV_TYPE_AUTO,
-    show_default=True,
-    envvar="AHAKV_KV_TYPE",
-    help="KV cache type of K and V (q8_0 about half the bytes of f16, q4_0 a quarter; flash attention on). "
-    "auto: f16, except a byte budget below llama.cpp's trimmed cache: q8_0, below a fifth of it q5_0.",
-)
-
-
 def check_query_reading(engine: dict) -> None:
     """--query guides the reading of a prompt longer than the budget: refused where nothing would read it (no budget,
     another reading, a policy without a question score)."""
@@ -171,46 +156,6 @@ def check_query_reading(engine: dict) -> None:
     if not make_policy(engine["policy"]).reads_with_query:  # (an unknown name: refused by make_policy)
         readers = query_readers()
         raise AhakvError(f"--query needs a policy that reads with a question ({readers}), not {engine['policy']}")
-
-
-class PolicyOption(click.Option):
-    """--policy, whose help lists the registry's names; read only when help is shown (importing the
-    policies pulls numpy, which a command like `info` does not need)."""
-
-    def get_help_record(self, ctx: click.Context):
-        from .policies import POLICIES
-
-        self.help = "Eviction policy: " + ", ".join(POLICIES) + "."
-        return super().get_help_record(ctx)
-
-
-# the options that shape what a budget allocates: generate's, chat's and serve's (engine_options), and info's, which
-# states what they would allocate with the same options and variables
-policy_option = click.option("--policy", cls=PolicyOption, default="ahakv", show_default=True, envvar="AHAKV_POLICY")
-sinks_option = click.option(
-    "--sinks", type=Count, default=4, show_default=True, envvar="AHAKV_SINKS", help="Protected first tokens."
-)
-recent_option = click.option(
-    "--recent", type=Count, default=32, show_default=True, envvar="AHAKV_RECENT", help="Protected last tokens."
-)
-evict_every_option = click.option(
-    "--evict-every",
-    type=Positive,
-    default=None,
-    envvar="AHAKV_EVICT_EVERY",
-    help="Decode steps between evictions (default 32, less for small budgets, 1 for ratio and auto ones).",
-)
-reading_option = click.option(
-    "--reading",
-    type=click.Choice(READINGS),
-    default="query",
-    show_default=True,
-    envvar="AHAKV_READING",
-    help="How a prompt longer than the budget is read: guided by its question (ahakv, snapkv, tova), "
-    "by the policy alone, or question-agnostic: by reconstruction (about 2x the prompt time) or by each "
-    "phrase's surprisal (the logits of every prompt token).",
-)
-n_gpu_layers_default = n_gpu_layers_option("Layers to offload to the GPU (-1: all).", offload_by_default=True)
 
 
 def engine_options(f):
@@ -258,15 +203,8 @@ def engine_options(f):
             envvar="AHAKV_ERROR_TOL",
             help="Auto budget: tolerated predicted relative output change.",
         ),
-        evict_every_option,
-        click.option(
-            "--observe-steps",
-            type=Count,
-            default=1,
-            show_default=True,
-            envvar="AHAKV_OBSERVE_STEPS",
-            help="Steps before each eviction whose full statistics the policy reads (0 = every step).",
-        ),
+        evict_every_option(),
+        observe_steps_option("Steps before each eviction whose full statistics the policy reads (0 = every step)."),
         threads_option,
         n_gpu_layers_default,
         rpc_option,
@@ -562,7 +500,7 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
 @policy_option
 @sinks_option
 @recent_option
-@evict_every_option
+@evict_every_option()
 @reading_option
 @n_gpu_layers_default
 @rpc_option

@@ -12,93 +12,24 @@ from pathlib import Path
 
 import click
 
+from .cli_options import (
+    TRIALS,
+    Positive,
+    eval_rpc_option,
+    evict_every_option,
+    layouts_option,
+    n_gpu_layers_option,
+    observe_steps_option,
+    parse_rpc,
+    policies_option,
+    recent_option,
+    sinks_option,
+    threads_option,
+)
 from .errors import AhakvError
 from .extras import require
 from .info import KV_CACHE_TYPES
-from .native import MAX_THREADS
 from .textfile import LICENSES, license_files, read_text
-
-Count = click.IntRange(min=0)  # click reports a value outside the range in one line, with the option's name
-Positive = click.IntRange(min=1)
-# a trial is a whole prompt read and answered (a second or more each); the items and keys of every trial are made
-# before the first runs (a task that cannot be built fails before any), so --trials 2147483648 grew the memory by
-# ~25 MB/s with no run started
-TRIALS = click.IntRange(1, 100)
-
-
-def rpc_option(f, every_layer: bool = False):
-    """--rpc / AHAKV_RPC: the llama.cpp RPC workers of every command that loads a model (``every_layer``: a command
-    without -ngl, whose workers hold every layer)."""
-    from .rpc import OPTION_HELP, OPTION_HELP_EVERY_LAYER
-
-    text = OPTION_HELP_EVERY_LAYER if every_layer else OPTION_HELP
-    return click.option("--rpc", default=None, metavar="HOST:PORT,...", envvar="AHAKV_RPC", help=text)(f)
-
-
-def eval_rpc_option(f):
-    return rpc_option(f, every_layer=True)
-
-
-def threads_option(f):
-    """-t: CPU threads of the engine, also from AHAKV_THREADS (a bad value is click's one line; without either,
-    ``engine.default_threads``: every core; on a machine shared with other jobs, 1 avoids the thread barriers'
-    spinning)."""
-    return click.option(
-        "-t",
-        "--threads",
-        type=click.IntRange(1, MAX_THREADS),
-        default=None,
-        envvar="AHAKV_THREADS",
-        help="CPU threads (default: AHAKV_THREADS, else every core).",
-    )(f)
-
-
-def n_gpu_layers_option(help: str, offload_by_default: bool = False):
-    """-ngl / AHAKV_N_GPU_LAYERS: layers to offload (-1: all). With ``offload_by_default`` (the commands a user runs
-    a model with) the default is None, which ``gpu_layers`` resolves once the engine is loaded; the measuring
-    commands keep 0, so that a table means the same machine part wherever it ran."""
-    if offload_by_default:
-        help += " [default: every layer where the engine has a GPU or --rpc workers are given, else none]"
-    return click.option(
-        "-ngl",
-        "--n-gpu-layers",
-        type=click.IntRange(min=-1),
-        default=None if offload_by_default else 0,
-        show_default=not offload_by_default,
-        envvar="AHAKV_N_GPU_LAYERS",
-        help=help,
-    )
-
-
-def gpu_layers(n_gpu_layers: int | None, rpc: tuple[str, ...] | None = None) -> int:
-    """The layers to offload: as given, or by default (None) every layer where the loaded engine has a GPU
-    (``upstream.gpu_devices``) or RPC workers are given, else none, as llama.cpp's own tools and ollama do (a
-    ``build --cuda`` engine ran on the CPU unless told)."""
-    if n_gpu_layers is not None:
-        return n_gpu_layers
-    from .upstream import offload_target
-
-    return -1 if offload_target(rpc or ()) else 0
-
-
-def offloads_by_default(n_gpu_layers: int | None = None, rpc: tuple[str, ...] = ()) -> bool:
-    """Whether chat, generate and serve with these -ngl and --rpc put layers off the CPU (``gpu_layers``), as ``info``
-    states their layout; without workers, False where the engine does not load (``info`` reads GGUF headers only)."""
-    if n_gpu_layers == 0:
-        return False
-    if rpc:
-        return True
-    try:
-        return gpu_layers(None) != 0
-    except (ImportError, OSError, AttributeError):  # no engine, or a libggml without the device registry
-        return False
-
-
-def parse_rpc(rpc: str | None) -> tuple[str, ...]:
-    """--rpc's workers, checked (a malformed address is one line, before the model is read); () without it."""
-    from .rpc import parse_servers
-
-    return parse_servers(rpc) if rpc is not None and rpc.strip() else ()  # --rpc "": none (over AHAKV_RPC)
 
 
 def _bar(desc: str, total: int):
@@ -259,7 +190,7 @@ def eval_group() -> None:
     show_default=True,
     help="Comma-separated cells (128) or fractions of the text (0.125 = 8x compression).",
 )
-@click.option("--policies", default="all", show_default=True, help="Comma-separated policy names, or all.")
+@policies_option
 @click.option("--ablations", is_flag=True, help="Also AhaKV with each component off, at every budget.")
 @click.option("--ablations-at", default="", help="The same, at these budgets only (comma-separated).")
 @click.option(
@@ -269,23 +200,10 @@ def eval_group() -> None:
     show_default=True,
     help="Tokens per decode after the prefix (1: token by token; at most one prompt chunk, 64).",
 )
-@click.option(
-    "--evict-every",
-    type=Positive,
-    default=None,
-    envvar="AHAKV_EVICT_EVERY",
-    help="Token by token: steps between evictions (default 32, less for small budgets, 1 for fractions).",
-)
-@click.option(
-    "--observe-steps",
-    type=Count,
-    default=1,
-    show_default=True,
-    envvar="AHAKV_OBSERVE_STEPS",
-    help="Token by token: observed steps (0: all).",
-)
-@click.option("--sinks", type=Count, default=4, show_default=True, envvar="AHAKV_SINKS")
-@click.option("--recent", type=Count, default=32, show_default=True, envvar="AHAKV_RECENT")
+@evict_every_option("Token by token: steps between evictions (default 32, less for small budgets, 1 for fractions).")
+@observe_steps_option("Token by token: observed steps (0: all).")
+@sinks_option
+@recent_option
 @click.option(
     "--kv-type",
     type=click.Choice(KV_CACHE_TYPES),
@@ -293,11 +211,8 @@ def eval_group() -> None:
     show_default=True,
     help="K and V type of the budgeted runs (a quantized one: flash attention on); the full cache stays f16.",
 )
-@click.option(
-    "--layer-budgets",
-    default="shared",
-    show_default=True,
-    help="Comma-separated layouts each policy runs in (shared, natural, uniform, pyramid, adaptive: the product's "
+@layouts_option(
+    "Comma-separated layouts each policy runs in (shared, natural, uniform, pyramid, adaptive: the product's "
     'default on Gemma 3); a configuration is "<policy> <layout>@<budget>" outside the shared pool.',
 )
 @click.option("--out", "out_dir", default="eval-out", show_default=True, help="Folder for the outputs.")
@@ -395,11 +310,11 @@ def eval_ppl(
 @click.option("--lengths", default="1024,2048", show_default=True, help="Prompt lengths in tokens.")
 @click.option("--depths", default="0.1,0.5,0.9", show_default=True, help="Where the key sits (fractions).")
 @click.option("--budgets", default="256", show_default=True, help="Comma-separated cells.")
-@click.option("--policies", default="all", show_default=True, help="Comma-separated policy names, or all.")
+@policies_option
 @click.option("--trials", type=TRIALS, default=1, show_default=True, help="Keys per length and depth.")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--sinks", type=Count, default=4, show_default=True, envvar="AHAKV_SINKS")
-@click.option("--recent", type=Count, default=32, show_default=True, envvar="AHAKV_RECENT")
+@sinks_option
+@recent_option
 @click.option("--out", "out_dir", default="needle-out", show_default=True, help="Folder for the outputs.")
 @eval_rpc_option
 @threads_option
@@ -486,7 +401,7 @@ def _say_unguided(names: list[str], readings: list[str]) -> None:
 @click.option(
     "--compressions", default="4,8", show_default=True, help="Tokens per kept cell: cells = length / compression."
 )
-@click.option("--policies", default="all", show_default=True, help="Comma-separated policy names, or all.")
+@policies_option
 @click.option(
     "--reading",
     default="plain,query,reconstruct",
@@ -497,13 +412,10 @@ def _say_unguided(names: list[str], readings: list[str]) -> None:
 @click.option("--trials", type=TRIALS, default=1, show_default=True, help="Items per task, length and depth.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--filler", "filler_files", multiple=True, help="Filler text (default: GPL-3, then other licenses).")
-@click.option("--sinks", type=Count, default=4, show_default=True, envvar="AHAKV_SINKS")
-@click.option("--recent", type=Count, default=32, show_default=True, envvar="AHAKV_RECENT")
-@click.option(
-    "--layer-budgets",
-    default="shared",
-    show_default=True,
-    help="Comma-separated layouts each configuration runs in (shared, natural, uniform, pyramid, adaptive); a "
+@sinks_option
+@recent_option
+@layouts_option(
+    "Comma-separated layouts each configuration runs in (shared, natural, uniform, pyramid, adaptive); a "
     'configuration is "<policy>@<compression>[+<reading>] <layout>" outside the shared pool.',
 )
 @click.option("--out", "out_dir", default="longdoc-out", show_default=True, help="Folder for the outputs.")
@@ -600,7 +512,7 @@ def bench_group() -> None:
     show_default=True,
     help="Live cells for the side-by-side comparison.",
 )
-@click.option("--policies", default="all", show_default=True, help="Comma-separated policy names, or all.")
+@policies_option
 @click.option(
     "--decode-tokens",
     type=click.IntRange(min=2),
@@ -615,26 +527,10 @@ def bench_group() -> None:
     show_default=True,
     help="Interleaved rounds (medians are reported).",
 )
-@click.option(
-    "--evict-every",
-    type=Positive,
-    default=None,
-    envvar="AHAKV_EVICT_EVERY",
-    help="Decode steps between evictions (default: the product's).",
-)
-@click.option(
-    "--observe-steps",
-    type=Count,
-    default=1,
-    show_default=True,
-    envvar="AHAKV_OBSERVE_STEPS",
-    help="Observed steps before each eviction (0: all).",
-)
-@click.option(
-    "--layer-budgets",
-    default="shared",
-    show_default=True,
-    help="Comma-separated layouts each policy runs in (shared, natural, uniform, pyramid, adaptive); a row is "
+@evict_every_option("Decode steps between evictions (default: the product's).")
+@observe_steps_option()
+@layouts_option(
+    "Comma-separated layouts each policy runs in (shared, natural, uniform, pyramid, adaptive); a row is "
     '"<policy> <layout>" outside the shared pool.',
 )
 @click.option(

@@ -8,7 +8,7 @@ import sys
 import pexpect
 import pytest
 
-from ahakv_local.cli_eval import offloads_by_default
+from ahakv_local.cli_options import offloads_by_default
 from ahakv_local.paths import cache_dir
 
 STATS = r"\[prompt [\d.]+ t/s \| gen [\d.]+ t/s \| cache (\d+)/(\d+) cells of (\d+) \| seen (\d+) \| evicted (\d+)\]"

@@ -14,7 +14,7 @@ import llama_cpp
 import pytest
 
 from ahakv_local.budget import QUERY_TOKENS, guide_room
-from ahakv_local.cli_eval import offloads_by_default
+from ahakv_local.cli_options import offloads_by_default
 from ahakv_local.errors import AhakvError
 
 
@@ -702,7 +702,7 @@ def test_the_commands_that_run_a_model_offload_every_layer_where_the_engine_has_
 
     from ahakv_local import upstream
     from ahakv_local.cli import load_llama, main
-    from ahakv_local.cli_eval import gpu_layers
+    from ahakv_local.cli_options import gpu_layers
     from ahakv_local.fixture import FixtureSpec
     from ahakv_local.models import fixture_path
 
