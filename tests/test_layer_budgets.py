@@ -29,14 +29,12 @@ from ahakv_local.budget import (
     pyramid_weights,
     spread,
 )
-from ahakv_local.engine import Engine, LayerCache
+from ahakv_local.engine import LayerCache
 from ahakv_local.errors import AhakvError
 from ahakv_local.fixture import ARCH_HPARAMS, FixtureSpec
 from ahakv_local.models import fixture_path
 from ahakv_local.policies import POLICIES
 from ahakv_local.session import SessionSpec, model_layout, open_session
-
-from numerics import FORWARD_RTOL
 
 EVICTING = sorted(set(POLICIES) - {"full"})
 WINDOW = int(ARCH_HPARAMS["sliding_window"])  # 24
@@ -329,42 +327,18 @@ def test_a_one_cache_model_has_one_group_either_way(fixture_model, license_text)
     np.testing.assert_array_equal(a["shared"][0], b["shared"][0])
 
 
-def robust_decisions(path, policy: str, query: bool, victims: list, monkeypatch, seeds=(1, 2, 3)) -> int:
-    """How many of a run's first evictions stand whatever rounding another machine's kernels add: the run again with
-    every statistic the controller reads moved at random by up to the forward bound (FORWARD_RTOL of the largest
-    entry: another SIMD path's sums may differ that much), once per seed; the first eviction any of them changes and
-    every one after it (the caches differ from there) may differ on another machine."""
-    real = Engine.aligned
-    robust = len(victims)
-    for seed in seeds:
-        rng = np.random.default_rng(seed)
-
-        def moved(self, *args, rng=rng, **kw):
-            out = real(self, *args, **kw)
-            for values in out.values.values():
-                values += (rng.uniform(-1, 1, values.shape) * FORWARD_RTOL * np.abs(values).max()).astype(values.dtype)
-            return out
-
-        with monkeypatch.context() as m:
-            m.setattr(Engine, "aligned", moved)
-            got = recorded.run(path, policy, query)["victims"]
-        robust = min(robust, next((i for i, (a, b) in enumerate(zip(victims, got, strict=False)) if a != b), len(got)))
-    return robust
-
-
 @pytest.mark.parametrize("key", sorted(json.loads(recorded.OUT.read_text())))
-def test_shared_replays_the_single_pool_decisions(key, monkeypatch):
+def test_shared_replays_the_single_pool_decisions(key):
     """Every eviction of every policy, on both fixtures, with and without a question: what the controller did before
     layer groups (recorded at 34d0fbf, on another machine), bit for bit up to the first eviction rounding could flip
-    (``robust_decisions``: a near-tie at the forward bound). On an AVX-512 EPYC all 23 evictions stand in 14 of the
-    20 runs; in the others the first 0 (llama's TOVA: skipped), 4, 7, 15, 15 and 18 (scissorhands' attention at its
-    uniform threshold, AhaKV's and TOVA's scores within the bound of each other). The suite passed the whole replay
+    (``record_shared_decisions.robust_decisions``: a near-tie at the forward bound; `python
+    tests/record_shared_decisions.py --robust` lists how many stand in each run). The suite passed the whole replay
     on an AVX2 EPYC and an AMX Xeon too, but nothing bounds that."""
     arch, policy, *query = key.split("/")
     want = json.loads(recorded.OUT.read_text())[key]
     path = fixture_path(FixtureSpec(arch=arch))
     got = recorded.run(path, policy, bool(query))
-    robust = robust_decisions(path, policy, bool(query), got["victims"], monkeypatch)
+    robust = recorded.robust_decisions(path, policy, bool(query), got["victims"])
     if robust == 0:
         pytest.skip("its first eviction is within rounding of a tie: no decision of it is portable")
     assert got["victims"][:robust] == want["victims"][:robust]
