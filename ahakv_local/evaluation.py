@@ -28,7 +28,7 @@ import numpy as np
 
 from .budget import Budget
 from .controller import KVController
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, kv_type_config
 from .session import BoundedSession, SessionSpec, open_session
 
 Q_LEVELS = 65535  # uint16
@@ -272,12 +272,13 @@ def _open(
 ) -> _Run:
     if spec.policy == FULL.policy:
         # every position kept, in llama.cpp's own caches at this ubatch: plain llama-cpp-python's (the reference, and
-        # any other full row) or its tools' (TRIMMED: the sliding cache trimmed). A cache sized exactly to a text of
-        # 300 tokens attends over 300 cells where llama.cpp's padded one takes 320, which rounds otherwise: on Gemma
-        # 3's Q4_K "trimmed" read +0.3% and KL 0.0010 beside a "full" keeping the same positions
+        # any other full row, in its K/V type: a quantized type's floor) or its tools' (TRIMMED: the sliding cache
+        # trimmed). A cache sized exactly to a text of 300 tokens attends over 300 cells where llama.cpp's padded one
+        # takes 320, which Gemma 3's Q4_K kernels round otherwise
+        kv_type = spec.on_model(model, n_ubatch, n_tokens).kv_type
         config = EngineConfig(
             n_ctx=n_tokens, n_batch=n_ubatch, n_ubatch=n_ubatch, swa_full=spec != TRIMMED, rpc_servers=rpc_servers,
-            n_threads=n_threads,
+            n_threads=n_threads, **kv_type_config(kv_type),
         )  # fmt: skip
         return _Run(BoundedSession(_stepped(spec, step), Engine(model, config), n_tokens))
     spec = _stepped(spec, step)

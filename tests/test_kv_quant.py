@@ -311,6 +311,23 @@ def test_eval_ppl_with_kv_type(gemma_model, license_text, tmp_path):
     assert here["f16"].kl != q8.kl  # and the command's figure is not f16's: q8_0's rounding moves the logits
 
 
+def test_a_full_cache_row_in_a_quantized_type_holds_that_type(gemma_model, license_text):
+    """A full row of another K/V type is that type's floor (benchmarks/layer_budgets.py's "full q8_0"). Since every full
+    row went to llama.cpp's own caches, those were made in f16 whatever the spec said: the floor read the f16 full
+    cache's perplexity and KL 0. Its caches hold q8_0 cells now: the bytes of llama.cpp's own padded cache in q8_0
+    (``ModelInfo.cell_bytes``), and its rows differ from the f16 reference's."""
+    from ahakv_local.evaluation import evaluate, text_tokens
+    from ahakv_local.session import SessionSpec
+
+    tokens = text_tokens(gemma_model, license_text)[:200]
+    got = evaluate(gemma_model, tokens, [SessionSpec("full q8_0", kv_type="q8_0")], prefix=128, n_threads=1)
+    info = read_info(gemma_model)
+    cells = -(-len(tokens) // 256) * 256  # llama.cpp's own cache: the text's tokens, padded
+    assert got["full"].kv_bytes == cells * info.cell_bytes(info.n_layer, "f16", "f16")
+    assert got["full q8_0"].kv_bytes == cells * info.cell_bytes(info.n_layer, "q8_0", "q8_0")
+    assert got["full q8_0"].kl > 0 and got["full q8_0"].ppl != got["full"].ppl
+
+
 def trimmed_kv_bytes(model, n_ctx: int, n_ubatch: int) -> int:
     """What llama.cpp itself allocates for ``n_ctx`` positions with the sliding cache trimmed (swa_full off), read
     from the engine's buffers: the reference for ``ModelInfo.trimmed_bytes``, which reads the GGUF header."""
