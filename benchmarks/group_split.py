@@ -20,6 +20,7 @@ from common import command_line, file_tokens, write_report  # benchmarks/ is the
 
 from ahakv_local.budget import Budget
 from ahakv_local.engine import Engine, EngineConfig
+from ahakv_local.errors import AhakvError
 from ahakv_local.evaluation import evaluate
 from ahakv_local.info import read_info
 from ahakv_local.models import default_model_path
@@ -55,7 +56,12 @@ def main() -> None:
                                            evict_every=args.step, label=label)  # fmt: skip
                 # a group must hold its sinks, recent tokens and one eviction period (the controller's floor)
                 floor = spec.n_sink + spec.n_recent + args.step
-                if min(g.value for g in spec.allocation(layout, args.n_ubatch, len(tokens)).groups) < floor:
+                try:  # (a budget whose layout cannot hold a chunk is refused as it is laid out: skipped too)
+                    held = min(g.value for g in spec.allocation(layout, args.n_ubatch, len(tokens)).groups)
+                except AhakvError as exc:
+                    print(f"skipped {spec.label}: {exc}", flush=True)
+                    continue
+                if held < floor:
                     print(f"skipped {spec.label}: a group would hold fewer than {floor} cells", flush=True)
                 else:
                     specs.append(spec)

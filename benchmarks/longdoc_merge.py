@@ -8,6 +8,7 @@ reading.
 import json
 import sys
 
+from ahakv_local.budget import READINGS
 from ahakv_local.longdoc import LongdocTrial, accuracy_table
 
 ORDER = ["full", "ahakv", "snapkv", "tova", "h2o", "scissorhands", "streaming", "random"]
@@ -24,7 +25,7 @@ for path in sys.argv[1:]:
 
 def key(t):
     comp = 0.0 if t.label == "full" else float(t.label.split("@")[1].split("x")[0])
-    return (comp, ORDER.index(t.policy), ["plain", "query", "reconstruct"].index(t.reading))
+    return (comp, ORDER.index(t.policy), READINGS.index(t.reading))  # (every reading eval longdoc offers)
 
 
 trials.sort(key=key)

@@ -87,7 +87,11 @@ def run_serial(a) -> None:
     from ahakv_local.cli import load_llama
 
     model = a.model or None
-    llm = load_llama(model, None, a.budget, "ahakv", 4, 32, None, None, 1, a.threads, 0, None, reading="plain")
+    # the CLI's defaults (ctx_size 0: the trained context, as a budget lays its caches out; error_tol the auto budget's)
+    llm = load_llama(
+        model, ctx_size=0, budget=a.budget, policy="ahakv", sinks=4, recent=32, error_tol=0.05, evict_every=None,
+        observe_steps=1, threads=a.threads, n_gpu_layers=0, batch_size=None, reading="plain",
+    )  # fmt: skip
     timer = DecodeTimer()
     prof = cProfile.Profile(time.process_time)
     n = 0

@@ -69,7 +69,7 @@ def main() -> None:
             start = (i * 997) % 20000
             body = {"prompt": text[start : start + 2500], "max_tokens": 8, "temperature": 0}
             if i % 2:
-                body["kv_budget"] = 128
+                body["kv_budget"] = min(128, int(args.budget))  # its own budget, within the server's (--budget 64)
             post(base, body)
             if (i + 1) % args.every == 0:
                 rss, threads, files = figures(proc.pid)
