@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -288,6 +289,12 @@ def run(cmd: list[str], cwd: Path | None = None, env: dict | None = None, log_fi
     written to ``log_file`` as it comes, so a long compile can be followed there). The command runs in a process
     group of its own, stopped with it when this process is interrupted or terminated (a compile went on, orphaned,
     writing into the cache the next build unpacks)."""
+    if cmd[:3] == [sys.executable, "-m", "pip"] and importlib.util.find_spec("pip") is None:
+        # (a venv made without pip, as `uv venv` makes them: "No module named pip", and no way on)
+        raise AhakvError(
+            "the engine is fetched and installed with pip, which this environment lacks: run "
+            f"`{sys.executable} -m ensurepip` (or `uv pip install pip`) first"
+        )
     with tempfile.TemporaryFile("w+") if log_file is None else open(log_file, "w+") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:

@@ -310,6 +310,18 @@ def test_a_build_without_its_extra_is_one_line_before_the_download(tmp_path, mon
         build.ensure_engine(force=True)
 
 
+def test_an_environment_without_pip_is_told_how_to_get_it(monkeypatch):
+    """A venv made without pip (`uv venv` makes them so) failed the build with pip's own "No module named pip" and no
+    way on; the command that installs it is named, before anything runs."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m: None if m == "pip" else real(m))
+    monkeypatch.setattr(build.subprocess, "Popen", lambda *a, **k: pytest.fail("ran pip"))
+    with pytest.raises(AhakvError, match=r"installed with pip, which this environment lacks: run `.* -m ensurepip`"):
+        build.run([sys.executable, "-m", "pip", "install", "x"])
+
+
 @pytest.mark.skipif(not build.leaves_out_amx(), reason="the AMX flag is added on x86-64 only")
 def test_the_user_s_own_c_flags_keep_the_amx_kernels_out(monkeypatch):
     """-DCMAKE_C_FLAGS=-O3 replaced the plan's -mno-amx-int8 (CMake takes the last value) and brought back the kernels
