@@ -31,7 +31,7 @@ import numpy as np
 
 from . import rpc, upstream
 from .budget import CacheLayout
-from .errors import AhakvError
+from .errors import AhakvError, DecodeError
 from .info import KV_TYPES, check_kv_cache_type, check_kv_types, read_info
 from .native import MAX_THREADS, EvictError, TapFlag, lib
 
@@ -538,9 +538,9 @@ class Engine:
         rc = self._llama_cpp.llama_decode(self.ctx, self._batch.batch)
         if rc == 1:
             sizes = ", ".join(f"{cache_name(c)} {self.cache_cells(c)}" for c in self.caches)
-            raise AhakvError(f"the KV cache is full (cells: {sizes}): evict or give it more cells")
+            raise DecodeError(f"the KV cache is full (cells: {sizes}): evict or give it more cells")
         if rc != 0:
-            raise AhakvError(f"llama_decode failed with code {rc}")
+            raise DecodeError(f"llama_decode failed with code {rc}")
 
     # -- KV cache ----------------------------------------------------------------------------------
 

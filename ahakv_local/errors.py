@@ -6,5 +6,10 @@ class AhakvError(ValueError):
     bad arguments are: an app's ``except ValueError`` around ``Llama(...)`` or a completion catches both."""
 
 
+class DecodeError(AhakvError, RuntimeError):
+    """llama_decode failed. A RuntimeError too, as llama_cpp.Llama raises it: an app's ``except RuntimeError`` around a
+    completion missed it under a budget."""
+
+
 class EngineNotPatched(AhakvError):
     """The llama-cpp-python in this environment lacks the ahakv patches (or has other ones)."""

@@ -402,8 +402,24 @@ class Llama(llama_cpp.Llama):
         """llama-cpp-python's, plus ``kv_query``: the question a long prompt is read with (see the module)."""
         if kv_query is None:
             kv_query = self._chat_question if self._chat_question is not None else self._kv_query_default
+        logprobs = kwargs.get("logprobs", args[6] if len(args) > 6 else None)
+        if self._kv is not None and logprobs is not None:  # (upstream's refusal said to open it with logits_all=True,
+            raise ValueError(  # which a budget refuses)
+                "logprobs need every prompt token's logits (logits_all), which a bounded cache does not keep: ask "
+                "without logprobs, or open the Llama without kv_budget"
+            )
         self.set_kv_query(kv_query, prompt)
         return super().create_completion(prompt, *args, **kwargs)
+
+    def sample(self, *args, idx: int | None = None, **kwargs):
+        """llama_cpp.Llama's; an ``idx`` whose logits llama.cpp does not hold (without logits_all, any but the last
+        token's) is a ValueError: llama.cpp aborted the process (as under llama_cpp.Llama)."""
+        if idx is not None and not self._logits_all and idx != self.n_tokens - 1:
+            raise ValueError(
+                f"sample(idx={idx}): llama.cpp holds the logits of the last token only (idx {self.n_tokens - 1}); "
+                "open the Llama with logits_all=True for the others"
+            )
+        return super().sample(*args, idx=idx, **kwargs)
 
     def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
         """llama_cpp.Llama's; a token id outside the vocabulary is a ValueError (llama.cpp aborted the process)."""

@@ -422,13 +422,51 @@ def release_free_memory() -> None:
         trim(0)
 
 
+MAX_CONNECTIONS = 512  # open at once (a request, a stream, a client that never finishes sending); under ulimit -n 1024
+
+
+class FifoLock:
+    """A lock its waiters take in the order they came. Requests polling a ``threading.Lock`` were served in no order
+    (25 sent 30 ms apart: 97 of 300 pairs out of order), and the first to come could wait past the busy timeout while
+    later ones ran."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[object] = collections.deque()
+        self._held = False
+
+    def acquire(self, timeout: float | None = None, give_up: Callable[[], bool] = lambda: False) -> bool:
+        """Wait for the lock in turn; False past ``timeout`` seconds or once ``give_up()`` says so (checked every
+        0.1 s: a client that left, a stop signal), the place in the line given up then."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        me = object()
+        with self._cond:
+            self._waiting.append(me)
+            try:
+                while self._held or self._waiting[0] is not me:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if give_up() or (left is not None and left <= 0):
+                        return False
+                    self._cond.wait(0.1 if left is None else min(0.1, left))
+                self._held = True
+                return True
+            finally:
+                self._waiting.remove(me)
+                self._cond.notify_all()  # the next in line may be at the head now
+
+    def release(self) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+
 class SerialRunner:
     """The model, its lock and the server's settings; runs Jobs one at a time."""
 
     def __init__(self, llm: Llama, model_name: str, max_tokens_limit: int, busy_timeout: float, max_waiting: int):
         self.llm, self.model_name = llm, model_name
         self.max_tokens_limit, self.busy_timeout = max_tokens_limit, busy_timeout
-        self.lock = threading.Lock()
+        self.lock = FifoLock()
         self.slots = threading.BoundedSemaphore(max_waiting + 1)  # the running job and those waiting for it
         self.shutdown = threading.Event()
         self.current: Job | None = None
@@ -472,7 +510,8 @@ class SerialRunner:
         """The request's thread: the lock's whole life (it waits for the model, and stops waiting for a client that
         left); what touches the model runs in the model thread."""
         try:
-            if self._acquire(job):
+            asked = time.monotonic()
+            if self.lock.acquire(self.busy_timeout, give_up=job.stopped):
                 try:
                     self.current, self.since = job, time.monotonic()
                     self.model_thread.submit(self._generate, job, req, call).result()
@@ -483,25 +522,17 @@ class SerialRunner:
                     release_free_memory()
                     self.lock.release()
             else:  # (nobody reads it if the client has gone)
-                job.post("error", (503, self._busy_message()))
+                job.post("error", (503, self._busy_message(time.monotonic() - asked)))
         finally:
             self.slots.release()
             if not job.finished:  # a bug above: the client still gets an answer, not a hang
                 job.post("error", (500, "internal error"))
 
-    def _acquire(self, job: Job) -> bool:
-        deadline = time.monotonic() + self.busy_timeout
-        while not job.stopped():
-            if self.lock.acquire(timeout=0.1):  # short waits, to notice a client that left or a stop signal
-                return True
-            if time.monotonic() > deadline:
-                return False
-        return False
-
-    def _busy_message(self) -> str:
+    def _busy_message(self, waited: float | None = None) -> str:
         if self.shutdown.is_set():
             return "the server is shutting down"
-        return f"the server is busy: one request has held the model for {time.monotonic() - self.since:.0f} s"
+        held = f"one request has held the model for {time.monotonic() - self.since:.0f} s"
+        return f"the server is busy: {held}" + ("" if waited is None else f" (this one waited {waited:.0f} s)")
 
     def _generate(self, job: Job, req: KVFields, call) -> None:
         try:
@@ -903,5 +934,10 @@ def run_server(app: FastAPI, sock: socket.socket) -> None:
     """Serve on ``sock`` (``listen_socket``) until SIGINT/SIGTERM; open responses get GRACE_S seconds to end (a
     stopped generation ends at its next token), then uvicorn cancels them and re-raises the signal."""
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACE_S)
+    # connections past MAX_CONNECTIONS get uvicorn's 503: 1,100 left half-sent used up a 1,024-file limit, and then
+    # every client waited and uvicorn logged "Too many open files" ~16,000 times a second
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACE_S,
+        limit_concurrency=MAX_CONNECTIONS,
+    )  # fmt: skip
     Server(config, app.state.shutdown).run(sockets=[sock])

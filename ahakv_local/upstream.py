@@ -37,7 +37,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
 }
 LLAMA_ATTRIBUTES = (
     "_model", "_ctx", "_batch", "_stack", "tokenizer_", "context_params", "model_params",  # native handles
-    "input_ids", "_input_ids", "scores", "n_tokens", "_n_ctx", "_requires_eval", "_seed",  # the per-position state
+    "input_ids", "_input_ids", "scores", "n_tokens", "_n_ctx", "_requires_eval", "_seed", "_logits_all",  # the state
     "_create_completion",  # the generator create_completion wraps (its error text is rewritten)
 )  # fmt: skip
 

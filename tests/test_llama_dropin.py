@@ -833,6 +833,44 @@ for ids in ([10**7], [5, -1]):
     ]
 
 
+def test_sample_at_a_row_llama_cpp_does_not_hold_is_a_value_error():
+    """sample(idx=0) after a three-token eval asked llama.cpp for logits it keeps for the last token only: it aborted
+    the process (GGML_ASSERT, as under llama_cpp.Llama). In a child process: the old code's abort would end the
+    suite."""
+    code = """
+from ahakv_local import Llama
+from ahakv_local.models import fixture_path
+for budget in (None, 64):
+    llm = Llama(str(fixture_path()), kv_budget=budget, verbose=False)
+    llm.eval([1, 5, 6])
+    try:
+        llm.sample(idx=0)
+        print("sampled")
+    except ValueError as e:
+        print("refused:", e)
+    print("last:", 0 <= llm.sample(idx=2, temp=0.0) < llm.n_vocab())
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-800:]
+    refused = "refused: sample(idx=0): llama.cpp holds the logits of the last token only (idx 2); open the Llama"
+    assert [line[: len(refused)] for line in proc.stdout.splitlines()] == [refused, "last: True"] * 2
+
+
+def test_under_a_budget_logprobs_are_refused_and_a_failed_decode_is_a_runtime_error_too(fixture_model):
+    """logprobs under a budget got upstream's "not supported for models created with logits_all=False", whose advice
+    a budget refuses; a failed llama_decode was an AhakvError (a ValueError) where llama_cpp.Llama raises a
+    RuntimeError, which an app's ``except RuntimeError`` missed. The Llama answers as a fresh one afterwards."""
+    with Llama(str(fixture_model), kv_budget=64, kv_query=False, verbose=False) as llm:
+        with pytest.raises(ValueError, match="logprobs need every prompt token's logits .* without kv_budget"):
+            llm.create_completion("the cat", max_tokens=2, logprobs=1)
+        with pytest.raises(RuntimeError, match="llama_decode failed"):
+            llm.eval([1, 5, 10**6])  # a token id outside the vocabulary
+        llm.reset()
+        again = llm("the cat", max_tokens=4, temperature=0)["choices"][0]["text"]
+    with Llama(str(fixture_model), kv_budget=64, kv_query=False, verbose=False) as fresh:
+        assert fresh("the cat", max_tokens=4, temperature=0)["choices"][0]["text"] == again
+
+
 def test_a_pipe_as_the_model_path_is_refused_at_once(tmp_path):
     """The drop-in opened a named pipe given as its model and waited for a writer forever (the CLI checks first)."""
     import os

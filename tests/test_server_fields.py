@@ -268,3 +268,68 @@ def test_a_reconstruction_needs_the_room_of_its_repetition():
     check_request_query("Who may copy it?", ahakv, room=64, chunk=64)  # a question fits the question's room
     with pytest.raises(AhakvError, match='kv_query "reconstruct" decodes a repetition of 96 tokens .* keep 64'):
         check_request_query("reconstruct", ahakv, room=64, chunk=64)
+
+
+def test_requests_waiting_for_the_model_take_it_in_the_order_they_came():
+    """The one-at-a-time server's requests polled a threading.Lock, which promises no order: 25 requests sent 30 ms
+    apart were served 97 of 300 pairs out of order, and the first could wait past the busy timeout while later ones
+    ran. Its FifoLock is taken in the order of asking; a waiter that gives up (its client left) leaves the line, and
+    one past its timeout is refused."""
+    from ahakv_local.server import FifoLock, SerialRunner
+
+    lock, order, gave_up = FifoLock(), [], threading.Event()
+    assert lock.acquire(1.0)  # a request holds the model
+
+    def wait(i: int) -> None:
+        if lock.acquire(30.0, give_up=(gave_up.is_set if i == 3 else lambda: False)):
+            order.append(i)
+            lock.release()
+
+    threads = []
+    for i in range(8):
+        threads.append(threading.Thread(target=wait, args=(i,)))
+        threads[-1].start()
+        while len(lock._waiting) < i + 1:  # in the line before the next one asks
+            time.sleep(0.001)
+    assert not lock.acquire(0.05)  # the line is long: refused past its timeout, and it left the line
+    gave_up.set()  # the fourth one's client leaves
+    while len(lock._waiting) > 7:
+        time.sleep(0.001)
+    lock.release()
+    for t in threads:
+        t.join(timeout=10)
+    assert order == [0, 1, 2, 4, 5, 6, 7]
+    assert "FifoLock" in SerialRunner.__init__.__code__.co_names
+
+
+def test_connections_past_the_cap_are_refused_not_left_to_use_up_the_files(fixture_model):
+    """Connections that never finish their request held a file each: 1,100 of them used up a 1,024-file limit, then
+    every client waited and uvicorn logged "Too many open files" ~16,000 times a second. Past MAX_CONNECTIONS a new
+    one gets a 503 at once, and once they close the server answers again."""
+    import socket
+
+    from test_server import start_server, stop_server
+
+    from ahakv_local.server import MAX_CONNECTIONS
+
+    proc, base = start_server(fixture_model, "--budget", "48")
+    host, port = base.removeprefix("http://").split(":")
+    held = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 8):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"GET /hea")  # a request line never finished
+            held.append(s)
+        time.sleep(0.5)  # (uvicorn counts a connection once it has read from it)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(base + "/health", timeout=10)
+        assert refused.value.code == 503
+    finally:
+        for s in held:
+            s.close()
+    try:
+        time.sleep(0.5)
+        with urllib.request.urlopen(base + "/health", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        stop_server(proc)
