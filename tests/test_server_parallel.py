@@ -575,7 +575,9 @@ def test_the_scheduler_thread_ends_with_the_app_s_server_and_the_app_serves_agai
             deadline = time.monotonic() + 30
             while not server.started and time.monotonic() < deadline:
                 time.sleep(0.05)
-            status, body = call(f"http://127.0.0.1:{port}", "/v1/completions", {"prompt": "the", "max_tokens": 3})
+            # greedy: an unseeded draw is random (it may end at once, or run past max_tokens to end a character)
+            request = {"prompt": "the", "max_tokens": 3, "temperature": 0}
+            status, body = call(f"http://127.0.0.1:{port}", "/v1/completions", request)
             assert status == 200 and body["usage"]["completion_tokens"] == 3, body
             schedulers = [t for t in set(threading.enumerate()) - before if t.name == "ahakv-scheduler"]
             assert len(schedulers) == (1 if parallel else 0)
