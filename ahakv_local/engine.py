@@ -613,12 +613,11 @@ class Engine:
         pos = self.cell_positions(layer)
         return np.sort(pos[pos >= 0])
 
-    def position_range(self) -> tuple[int, int]:
-        """The lowest and the newest position any cache of this sequence holds ((0, -1) where none holds one)."""
-        held = [p for c in self.caches if (p := self.live_positions(self.layer_cache.index(c))).size]
-        if not held:
-            return 0, -1
-        return min(int(p[0]) for p in held), max(int(p[-1]) for p in held)
+    def newest_position(self) -> int:
+        """The newest position any cache of this sequence holds (-1 where none holds one): llama.cpp's seq_pos_max
+        reads one cache."""
+        return max((int(p[-1]) for c in self.caches if (p := self.live_positions(self.layer_cache.index(c))).size),
+                   default=-1)  # fmt: skip
 
     def truncate(self, n_past: int) -> None:
         """Forget every position >= n_past (rewind), so the next token goes to n_past."""

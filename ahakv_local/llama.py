@@ -641,7 +641,7 @@ class Llama(llama_cpp.Llama):
         # llama.cpp's seq_pos_max reads one cache: a position past the list in another of the per-layer caches (a
         # crafted file) loaded, and the next message failed in the policy's arrays (an IndexError, chat's traceback)
         if self._kv is not None:
-            _, newest = self._kv_engine.position_range()
+            newest = self._kv_engine.newest_position()
         else:
             newest = llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(ctx.ctx), 0)
         mismatch = restored == state.llama_state_size and newest + 1 != state.n_tokens
