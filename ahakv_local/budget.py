@@ -496,6 +496,11 @@ def _per_layer(
         budget, layout, "natural", chunk, longest, room, every, sliding_share, keep, sliding_cells=sliding_cells
     )
     window = layout.window + every - 1
+    # a ratio, auto or none budget keeps natural's caches: no layer may hold more than its cache has room for beside a
+    # chunk, the newest token and the room (auto's sliding layers, spread up to their window in caches of -c 384,
+    # filled the cache: "the KV cache is full")
+    extra = chunk + 1 + room
+    sized_by_natural = budget.mode not in ("bytes", "cells")
     layers_of = {kind: [il for il, s in enumerate(sliding) if s == kind] for kind in (False, True)}
     held: dict[int, Budget] = {}
     for kind, layers in layers_of.items():
@@ -513,15 +518,19 @@ def _per_layer(
         # would be taken from the layers that must evict (what spread cannot give back stays unallocated)
         floor = min(keep + 1, layout.window if kind else math.inf) + every - 1
         most = window if kind else (longest + every - 1 if longest else math.inf)  # as the window: + 1 period
+        room_in_cache = natural.cache_cells[int(kind)] - extra if sized_by_natural else math.inf
+        most = min(most, room_in_cache)
         if mean.mode == "cells" and mean.value >= floor:  # below it, check_floor refuses as for natural
             low, high = max(low, floor / mean.value), min(high, max(most, floor) / mean.value)
         weights = spread(weights, low, high)
         if mean.mode == "cells":  # whole cells, as many as the shares add up to (a cell budget's mean is kept)
-            top = min(high * mean.value, window if kind else math.inf)
+            top = min(high * mean.value, window if kind else math.inf, room_in_cache)
             cells = whole_cells([min(mean.value * w, top) for w in weights], top)
             held |= {il: Budget("cells", max(1, n)) for il, n in zip(layers, cells, strict=True)}
         else:
-            held |= {il: _scaled(mean, w, window if kind else None) for il, w in zip(layers, weights, strict=True)}
+            cap = min(window if kind else math.inf, room_in_cache)
+            cap = None if cap == math.inf else int(cap)
+            held |= {il: _scaled(mean, w, cap) for il, w in zip(layers, weights, strict=True)}
     groups = per_layer_groups(sliding)
     order = sorted(range(len(sliding)), key=lambda il: groups[il])  # the layer of each cache, by cache
     budgets = tuple(held[il] for il in order)

@@ -177,6 +177,8 @@ class ChatSession:
                 ]
             elif k == "kv_bytes":
                 lines.append(f"{k:18s} {v} ({kv_size(v)})")
+            elif v is None:  # (auto's budget before its first decision, as the stats line shows it)
+                lines.append(f"{k:18s} -")
             else:
                 lines.append(f"{k:18s} {v:.3f}" if isinstance(v, float) else f"{k:18s} {v}")
         if kv is not None:

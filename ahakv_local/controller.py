@@ -1055,7 +1055,10 @@ class KVController:
         if self.shares is not None and measure and obs.attn is not None:  # adaptive: the layer's fill
             self.shares.observe(int(g.layers[0]), obs)
         if budget.mode == "auto" and (obs.verr is None or obs.vnorm is None):
-            return 0  # the error model decides at the next observed step (the budget just became auto)
+            # the error model decides at the next observed step (the budget just became auto); until then nothing is
+            # decided (chat's /stats showed the last budget's 256 cells as auto's)
+            g.decided = None
+            return 0
         n = g.live.size
         gone = g.outside_window(obs.n_seen)  # no layer of the group sees these again: they go first
         cfg = self.config

@@ -96,6 +96,9 @@ NULL_IS_DEFAULT = (
 )  # fmt: skip
 
 
+KV_FIELDS = ("kv_budget", "kv_policy", "kv_query")  # a request's own settings of the bounded cache
+
+
 class KVFields(BaseModel):
     # other OpenAI fields (user, metadata, ...) change nothing in the answer: accepted and ignored; NaN and
     # infinities (Python's JSON reader takes them) are refused, and so is a value of another JSON type ("stream": "yes",
@@ -166,6 +169,8 @@ class KVFields(BaseModel):
     @model_validator(mode="after")
     def _refuse_what_is_not_done(self):
         for name, value in (self.model_extra or {}).items():
+            if name.startswith("kv_"):  # this server's own fields: a misspelt or unknown one changed nothing, silently
+                raise ValueError(f"{name} is not a field of this server: a request may set {', '.join(KV_FIELDS)}")
             if name in NOT_SUPPORTED and not NOT_SUPPORTED[name][0](value):
                 shown = json.dumps(value)
                 asked = f"{name}={shown}" if len(shown) <= 40 else name  # (tools: a long schema)

@@ -1407,3 +1407,16 @@ def test_an_answer_cut_by_the_end_of_the_context_says_so(fixture_model, monkeypa
         s = ChatSession(llm, None, max_tokens=400, temperature=0.0)
         run_repl(s, monkeypatch, [("one two three four five six", False, 1)])
         assert s.cut_by_context and "[the context is full: the answer stops here" in capsys.readouterr().err
+
+
+def test_stats_right_after_budget_auto_show_no_decision_yet(chat):
+    """``/budget auto`` on a chat held at 64 cells: the error model decides at the next observed step. Until then
+    /stats said "budget 64", the last budget's target, for auto's; the report and the stats line both show "-"."""
+    talk(chat, "tell me about the weather " * 4)
+    assert chat.llm.kv_stats().budget == 64
+    chat.set_budget("auto")
+    assert chat.llm.kv_stats().budget is None
+    assert re.search(r"^budget +-$", chat.stats_report(), re.M) and "/- cells" in chat.stats_line()
+    talk(chat, "and tomorrow?")  # decided now: between 10% and 40% of the tokens seen
+    s = chat.llm.kv_stats()
+    assert 0.10 * s.tokens_seen - 1 <= s.budget <= 0.40 * s.tokens_seen

@@ -665,3 +665,28 @@ def test_an_auto_budget_keeps_what_an_existing_sliding_cache_holds():
     assert small.groups[1] == Budget("cells", 225 - chunk - 1) and small.cache_cells[1] == 225
     short = allocate(auto, **(kw | {"longest": 300}))  # a short context: every position fits, nothing to cap
     assert allocate(auto, **(kw | {"longest": 300}), sliding_cells=short.cache_cells[1]) == short
+
+
+@pytest.mark.parametrize("text", ["auto", "25%", "40%"])
+@pytest.mark.parametrize("layer_budgets", ["pyramid", "adaptive"])
+@pytest.mark.parametrize("sliding_cells", [0, 225, 385, 449])
+def test_no_layer_holds_more_than_its_cache_has_room_for(text, layer_budgets, sliding_cells):
+    """A ratio or auto budget keeps natural's caches, so a layer whose share is above its kind's mean (pyramid's
+    first layers, adaptive's widest) may hold no more than its cache has room for beside a chunk and the newest
+    token. Auto's sliding layers were spread up to 1.5x of a cache of 384 cells (``generate --budget auto -c 384
+    --layer-budgets adaptive`` ended in "the KV cache is full"; pyramid refused it). Gemma 3 270M's layout, the
+    adaptive shares at the ends of their range."""
+    chunk, every, keep = 64, 32, 36
+    budget = Budget.parse(text)
+    if budget.mode == "ratio":  # as KVController.fitted caps it on caches of that size
+        budget = Budget("ratio", budget.value, cap=sliding_cells - chunk - 1 if sliding_cells else None)
+    weights = [1.0 + 0.5 * (-1) ** il for il in range(18)] if layer_budgets == "adaptive" else None
+    a = allocate(
+        budget, GEMMA3_270M_BY_LAYER, layer_budgets, chunk, 4096, 0, every, None, keep, weights, sliding_cells
+    )  # fmt: skip
+    for held, cells in zip(a.groups, a.cache_cells, strict=True):
+        most = cells - chunk - 1
+        if held.mode == "cells":
+            assert 1 <= held.value <= most
+        elif held.mode == "ratio":
+            assert held.cap is not None and held.cap <= most  # 4096 positions: every cache is shorter

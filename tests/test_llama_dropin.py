@@ -335,6 +335,24 @@ def test_ratio_and_auto_budgets_work_at_the_default_context(gemma_model, license
         llm.close()
 
 
+@pytest.mark.parametrize("layer_budgets", ["pyramid", "adaptive"])
+def test_an_auto_budget_reads_a_long_prompt_in_a_small_context(gemma_model, license_text, layer_budgets):
+    """At n_ctx 384 an auto budget's sliding layers hold what their caches have room for (less than the window):
+    pyramid's first layers were given 1.5x of that (the constructor refused its own budget: "does not fit the 480
+    allocated cells") and adaptive's widest layers grew past it at a re-split ("the KV cache is full")."""
+    llm = Llama(
+        str(gemma_model), kv_budget="auto", n_ctx=384, n_threads=1, verbose=False, kv_layer_budgets=layer_budgets
+    )
+    try:
+        llm(license_text[:6000], max_tokens=2, kv_query=False)
+        s, e = llm.kv_stats(), llm.kv_engine
+        assert s.tokens_seen > 1200 and 0.10 * s.tokens_seen - 1 <= s.cells_used <= 0.40 * s.tokens_seen
+        for g in llm.kv_controller.groups:  # every layer within its own cache, beside a chunk and the newest token
+            assert g.live.size + e.config.n_ubatch + 1 <= e.cache_cells(g.cache)
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("budget", [None, 96, "25%"])
 def test_a_pickled_llama_is_made_again_as_it_was_asked_for(gemma_model, budget):
     """llama-cpp-python pickles a Llama as its constructor's arguments (an app handing it to multiprocessing). The

@@ -182,6 +182,18 @@ def test_an_empty_question_is_refused_on_both_servers(fixture_model, parallel):
             assert status == 400 and "not an empty text" in out["error"]["message"], out
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["one at a time", "parallel"])
+def test_an_unknown_kv_field_is_refused_by_name(fixture_model, parallel):
+    """This server's own fields are kv_budget, kv_policy and kv_query: "kv_error_tol" or a misspelt "kv_budegt" was
+    accepted and changed nothing (unknown OpenAI fields such as user still are: they change nothing by design)."""
+    with served(fixture_model, parallel) as base:
+        for field in ("kv_error_tol", "kv_budegt"):
+            status, out = call(base, "/v1/completions", {"prompt": "x", "max_tokens": 1, field: 0.5})
+            assert status == 400 and f"{field} is not a field of this server" in out["error"]["message"], out
+        status, out = call(base, "/v1/completions", {"prompt": "x", "max_tokens": 1, "user": "u", "kv_budget": 48})
+        assert status == 200, out
+
+
 def test_a_request_without_max_tokens_gets_llama_cpp_python_s_defaults(fixture_model):
     """A completion 16 tokens, a chat's answer up to the server's limit (llama-cpp-python's server and OpenAI's
     defaults; both were 256). Greedy continuations of the fixture end at no end-of-generation token here."""
