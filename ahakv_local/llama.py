@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -187,7 +188,7 @@ class Llama(llama_cpp.Llama):
     @reading_headers_once()  # the model's header is asked for several times below: read it once
     def __init__(
         self,
-        model_path: str,
+        model_path: str | os.PathLike,
         *,
         kv_budget: int | float | str | None = None,
         kv_policy: str = "ahakv",
@@ -209,6 +210,11 @@ class Llama(llama_cpp.Llama):
         n_batch: int = 512,
         **kwargs,
     ):
+        # a pathlib.Path as every other Python API takes one (llama_cpp.Llama stopped at an AttributeError on .encode)
+        if isinstance(model_path, os.PathLike):
+            model_path = os.fspath(model_path)
+        if not isinstance(model_path, str):
+            raise TypeError(f"model_path must be a path (str or os.PathLike), not {type(model_path).__name__}")
         # what this Llama was asked for, which a pickled copy is made from again (llama-cpp-python pickles the
         # constructor's arguments: its own state would say the cells allocated, not the context asked for)
         self._asked = dict(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import llama_cpp
 import numpy as np
@@ -898,6 +899,19 @@ def test_a_pipe_as_the_model_path_is_refused_at_once(tmp_path):
     code = f"from ahakv_local import Llama; Llama({str(fifo)!r}, kv_budget=64, verbose=False)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and f"not a model file: {fifo} is a pipe or a device" in proc.stderr
+
+
+@pytest.mark.parametrize("budget", [None, 64], ids=["no budget", "bounded"])
+def test_a_pathlib_path_is_taken_as_the_model(fixture_model, budget):
+    """``Llama(Path(...))`` (``models.default_model_path()`` returns one) stopped at an AttributeError on ``.encode``
+    inside llama-cpp-python; it loads the model as its text does, and a path of another type is one TypeError."""
+    with Llama(Path(fixture_model), kv_budget=budget, verbose=False) as llm:
+        assert llm.model_path == str(fixture_model)
+        by_path = llm("the cat", max_tokens=3, temperature=0)["choices"][0]["text"]
+    with Llama(str(fixture_model), kv_budget=budget, verbose=False) as llm:
+        assert llm("the cat", max_tokens=3, temperature=0)["choices"][0]["text"] == by_path
+    with pytest.raises(TypeError, match="model_path must be a path"):
+        Llama(42, kv_budget=budget, verbose=False)
 
 
 @pytest.mark.parametrize("budget", [None, 64], ids=["no budget", "bounded"])
