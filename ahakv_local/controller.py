@@ -785,8 +785,12 @@ class KVController:
             g.policy.truncate(n)
             g.best[n:] = np.nan
             g.obs = None
-            if n == 0:  # a new sequence: its evictions count from none (tokens_seen = cells_used + evicted)
-                g.decided, g.evicted = None, 0
+            # what it evicted of the positions it keeps (tokens_seen = cells_used + evicted): a rewind to a shared
+            # prefix (a reused compressed history) kept the forgotten positions' evictions, "25 cells, 1685 evicted,
+            # 25 seen"
+            g.evicted = n - g.live.size
+            if n == 0:  # a new sequence
+                g.decided = None
         if self.shares is not None and n == 0:  # a new sequence starts from even shares, whatever came before
             self.shares.restart(0)
             self._hold(self.allocation(self.config.budget))

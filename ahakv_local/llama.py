@@ -24,9 +24,12 @@ With or without a budget, a model whose GGUF has no chat template chats as a pla
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -118,6 +121,17 @@ def llama_response_format(response_format: dict) -> dict:
         except Exception as exc:  # (an AssertionError, mostly: the converter checks what it supports with assert)
             raise ValueError(f"response_format's schema cannot be sampled: {exc}") from None
     return response_format
+
+
+def one_call_at_a_time(method):
+    """``method`` refused with a RuntimeError while another thread is inside a call of this Llama (``Llama._alone``)."""
+
+    @functools.wraps(method)
+    def alone(self, *args, **kwargs):
+        with self._alone(method.__name__):
+            return method(self, *args, **kwargs)
+
+    return alone
 
 
 def product_layout(model_path: str | Path, n_gpu_layers: int = 0, rpc_servers: Sequence[str] = ()) -> str:
@@ -215,6 +229,7 @@ class Llama(llama_cpp.Llama):
             model_path = os.fspath(model_path)
         if not isinstance(model_path, str):
             raise TypeError(f"model_path must be a path (str or os.PathLike), not {type(model_path).__name__}")
+        self._busy = threading.RLock()  # held by the thread inside a native call (``one_call_at_a_time``)
         # what this Llama was asked for, which a pickled copy is made from again (llama-cpp-python pickles the
         # constructor's arguments: its own state would say the cells allocated, not the context asked for)
         self._asked = dict(
@@ -404,6 +419,28 @@ class Llama(llama_cpp.Llama):
             question = last_paragraph(text)
         self._kv_guide = guide_of(query, question, self._kv_engine)
 
+    @contextlib.contextmanager
+    def _alone(self, name: str, wait: bool = False):
+        """This Llama taken by the calling thread, or a RuntimeError where another thread has it (``wait``: wait for
+        it). Two threads decoding, sampling or replacing the state of one llama.cpp context at once aborted the process
+        or crashed it (as under llama_cpp.Llama), and a completion refused in its decode had already reset the other's
+        sequence. Each call, and each step of a stream, takes the Llama alone: calls of several threads in turn work (a
+        stream consumed through a thread pool, one ``next`` per thread), and so do nested calls in one thread."""
+        busy = self.__dict__.get("_busy")
+        if busy is None:  # (upstream's constructor, before this one made it)
+            yield
+            return
+        if not busy.acquire(blocking=wait):
+            raise RuntimeError(
+                f"Llama.{name}: this Llama is in use by another thread (llama.cpp's context runs one call at a time): "
+                "give each thread its own Llama, or take turns under a lock"
+            )
+        try:
+            yield
+        finally:
+            busy.release()
+
+    @one_call_at_a_time
     def create_completion(self, prompt, *args, kv_query: bool | str | None = None, **kwargs):
         """llama-cpp-python's, plus ``kv_query``: the question a long prompt is read with (see the module)."""
         if kv_query is None:
@@ -417,6 +454,7 @@ class Llama(llama_cpp.Llama):
         self.set_kv_query(kv_query, prompt)
         return super().create_completion(prompt, *args, **kwargs)
 
+    @one_call_at_a_time
     def sample(self, *args, idx: int | None = None, **kwargs):
         """llama_cpp.Llama's; an ``idx`` whose logits llama.cpp does not hold (without logits_all, any but the last
         token's) is a ValueError: llama.cpp aborted the process (as under llama_cpp.Llama)."""
@@ -440,6 +478,7 @@ class Llama(llama_cpp.Llama):
         order, and no others: ``llm(prompt, kv_query=...)`` was a TypeError)."""
         return self.create_completion(prompt, *args, kv_query=kv_query, **kwargs)
 
+    @one_call_at_a_time
     def create_chat_completion(self, messages, *args, kv_query: bool | str | None = None, **kwargs):
         """llama-cpp-python's; a long conversation is read guided by its last user message by default. OpenAI's
         ``response_format`` of type ``json_schema``, which llama-cpp-python 0.3.36 ignores (the answer came as prose),
@@ -460,6 +499,7 @@ class Llama(llama_cpp.Llama):
         finally:
             self._chat_question = None
 
+    @one_call_at_a_time
     def eval(self, tokens: Sequence[int]):
         if self.should_stop():
             raise Stopped
@@ -494,22 +534,34 @@ class Llama(llama_cpp.Llama):
             self.n_tokens = resume
         kv.truncate(self.n_tokens)  # positions >= n_tokens are being replaced
         last = None
-        for i, (chunk, ends_prompt) in enumerate(kv.prompt_pieces(tokens, self._kv_guide, self.n_batch)):
-            if i and self.should_stop():  # between prompt chunks too: a long prompt need not be read to the end
-                raise Stopped
-            t0 = time.perf_counter()
-            last = kv.read_piece(chunk, self._kv_guide, ends_prompt)
-            self._has_logits = True
-            self._count(len(chunk), time.perf_counter() - t0)
-            self.input_ids[self.n_tokens : self.n_tokens + len(chunk)] = chunk
-            self.n_tokens += len(chunk)
-            self._requires_eval = False
+        try:
+            for i, (chunk, ends_prompt) in enumerate(kv.prompt_pieces(tokens, self._kv_guide, self.n_batch)):
+                if i and self.should_stop():  # between prompt chunks too: a long prompt need not be read to the end
+                    raise Stopped
+                t0 = time.perf_counter()
+                last = kv.read_piece(chunk, self._kv_guide, ends_prompt)
+                self._has_logits = True
+                self._count(len(chunk), time.perf_counter() - t0)
+                self.input_ids[self.n_tokens : self.n_tokens + len(chunk)] = chunk
+                self.n_tokens += len(chunk)
+                self._requires_eval = False
+        except BaseException:
+            if self._kv_engine.n_past != self.n_tokens:
+                # an exception inside a piece (a Ctrl-C, an app's own): the engine read part of it, its compression
+                # may have evicted positions before it, and the policy's statistics hold its rows. None of it can be
+                # taken back, so the sequence starts over. The same request answered otherwise than a fresh Llama
+                # (it read on from the over-compressed cache), and a saved state did not load (its cache ran past
+                # its token list)
+                self.reset()
+                self._has_logits = False
+            raise
         if last is not None and isinstance(self._kv_guide, Reconstruct):
             # a reconstruction decodes its repetition after the prompt's last chunk too, and the sampler reads
             # llama.cpp's last logits: the prompt's go back there (the other readings decode nothing after it, and a
             # copy of the vocabulary's row at every sampled token would cost decode time for nothing)
             self._kv_engine.put_last_logits(last)
 
+    @one_call_at_a_time
     def generate(self, tokens: Sequence[int], *args, **kwargs):
         reset = kwargs.get("reset", args[6] if len(args) > 6 else True)  # False: ``tokens`` go after what is cached
         if not len(tokens) and not self._has_logits:
@@ -572,6 +624,22 @@ class Llama(llama_cpp.Llama):
         return n > 0 and (len(tokens) <= n or list(self._input_ids[:n]) != list(tokens[:n]))
 
     def _create_completion(self, *args, **kwargs):
+        """llama-cpp-python's completion steps (``_completion_steps``), each taken alone (``_alone``): a stream's
+        consumer may take its steps on several threads, one at a time."""
+        steps = self._completion_steps(*args, **kwargs)
+        try:
+            while True:
+                with self._alone("create_completion"):
+                    try:
+                        out = next(steps)
+                    except StopIteration:
+                        return
+                yield out
+        finally:
+            with self._alone("create_completion", wait=True):  # (a stream closed by the collector, on any thread)
+                steps.close()
+
+    def _completion_steps(self, *args, **kwargs):
         self._context_full = False
         guide = self._kv_guide  # this request's (set by its call; a later call may have set its own since)
         completion = super()._create_completion(*args, **kwargs)
@@ -596,11 +664,13 @@ class Llama(llama_cpp.Llama):
             if self._kv_guide is guide:
                 self._kv_guide = None
 
+    @one_call_at_a_time
     def reset(self):
         super().reset()
         if self._kv is not None:
             self._kv.truncate(0)
 
+    @one_call_at_a_time
     def save_state(self):
         """llama_cpp.Llama's state, with the cells of each KV cache it was made in (``kv_cache_cells``): adaptive
         layer budgets resize the caches, and llama.cpp loads a cache's cells only into one as large."""
@@ -608,6 +678,7 @@ class Llama(llama_cpp.Llama):
         state.kv_cache_cells = self._kv_engine.cache_sizes() if self._kv is not None else None
         return state
 
+    @one_call_at_a_time
     def load_state(self, state) -> None:
         """Restore a ``save_state()``; a state of another model or context size is refused before anything
         changes (upstream would fail halfway, in numpy, with the cache half-replaced), and one llama.cpp refuses as it

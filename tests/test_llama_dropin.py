@@ -524,6 +524,29 @@ def test_evictions_count_from_none_for_each_new_sequence(gemma_model, license_te
         assert s.evicted == 0 and s.tokens_seen == s.cells_used
 
 
+@pytest.mark.parametrize("layer_budgets", ["shared", "natural"])
+def test_a_rewind_to_a_shared_prefix_counts_only_the_kept_positions_evictions(
+    gemma3_fixture, license_text, layer_budgets
+):
+    """With kv_reuse_compressed a prompt sharing a prefix with the cached one is read on from that prefix: the
+    evictions of the positions it forgot stayed counted ("25 cells, 1685 evicted, 25 seen"). Each group counts what it
+    evicted below the prefix (a full-attention group: what it holds is all it did not evict); tokens_seen = cells_used +
+    evicted, the groups' own arrays the reference."""
+    kw = dict(kv_budget=64, kv_policy="h2o", kv_layer_budgets=layer_budgets, kv_reuse_compressed=True, n_batch=64)
+    with Llama(str(gemma3_fixture), verbose=False, **kw) as llm:
+        llm(license_text[:2000], max_tokens=4, temperature=0)
+        first = llm.kv_stats()
+        assert first.evicted > 1000 and first.tokens_seen == first.cells_used + first.evicted
+        llm(license_text[:300] + " and something else entirely", max_tokens=4, temperature=0)  # a shared prefix
+        s, kv = llm.kv_stats(), llm.kv_controller
+        for g in kv.groups:
+            if g.window:  # (what leaves a sliding window llama.cpp drops itself: no eviction counted)
+                continue
+            forgotten = np.count_nonzero(~np.isin(np.arange(s.tokens_seen), g.live))
+            assert g.evicted == forgotten == s.tokens_seen - g.live.size
+        assert s.evicted < first.evicted and s.tokens_seen == s.cells_used + s.evicted
+
+
 def test_a_refused_budget_leaves_nothing_for_the_next_model(fixture_model):
     """A kv_budget refused before the load (past the trained context) left its cache layout pending in the thread,
     and the next Llama, without a budget, got 5,641 cells where it asked for 512 (Gemma: 18 caches, 13x the bytes)."""
@@ -969,3 +992,83 @@ def test_a_reconstruction_asked_of_caches_without_its_room_is_refused(fixture_mo
     opened = dict(kv_budget=64, kv_recent=8, n_batch=32, kv_reuse_compressed=True, verbose=False)
     with Llama(str(fixture_model), **opened) as llm:
         assert llm.create_completion("a prompt", max_tokens=1, kv_query="reconstruct")["choices"]
+
+
+@pytest.mark.parametrize("budget", [64, "25%", "auto"])
+def test_an_exception_inside_a_prompt_piece_leaves_a_sequence_a_fresh_llama_would_have(fixture_model, budget):
+    """A Ctrl-C (any exception) landing inside a piece of the prompt, after its compression ran: the engine had read
+    the piece, evicted positions before it for it, and its token list had not moved. The same request then read on
+    from that over-compressed cache and answered otherwise than a fresh Llama (7 of 30 retries, a hunt's random
+    interrupts), and a state saved then did not load ("this state is damaged"). The sequence now starts over."""
+    kw = dict(kv_budget=budget, n_batch=32, n_ctx=1024, kv_recent=8, verbose=False)
+    prompt = "the quick brown fox jumps over the lazy dog and runs " * 40
+    with Llama(str(fixture_model), **kw) as fresh:
+        expected = fresh(prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
+    with Llama(str(fixture_model), **kw) as llm:
+        kv, evict, calls = llm.kv_controller, llm.kv_controller.evict, []
+
+        def evict_then_interrupt(*args, **kwargs):
+            n = evict(*args, **kwargs)
+            calls.append(n)
+            if len(calls) == 7:
+                raise KeyboardInterrupt
+            return n
+
+        kv.evict = evict_then_interrupt
+        with pytest.raises(KeyboardInterrupt):
+            llm(prompt, max_tokens=8, temperature=0)
+        kv.evict = evict
+        assert llm.kv_engine.n_past == llm.n_tokens  # the engine ends where the token list does
+        state = llm.save_state()
+        with Llama(str(fixture_model), **kw) as other:
+            other.load_state(state)  # (refused as damaged before)
+        assert llm(prompt, max_tokens=8, temperature=0)["choices"][0]["text"] == expected
+
+
+def test_a_second_thread_is_refused_while_one_decodes(fixture_model):
+    """Two threads decoding with one Llama at once aborted the process or crashed it (as under llama_cpp.Llama). While
+    one thread is inside a sampling step (held there by its logits processor), another's completion, eval, reset and
+    save_state are each a RuntimeError, and the first answers as if alone; calls of several threads in turn (a stream
+    consumed through a thread pool) work. In a child process: the old code's crash would end the suite."""
+    code = """
+import threading
+import numpy as np
+from concurrent.futures import ThreadPoolExecutor
+from ahakv_local import Llama
+from ahakv_local.models import fixture_path
+kw = dict(kv_budget=64, n_batch=32, kv_recent=8, verbose=False)
+with Llama(str(fixture_path()), **kw) as fresh:
+    expected = fresh("the cat sat on the mat", max_tokens=6, temperature=0)["choices"][0]["text"]
+llm = Llama(str(fixture_path()), **kw)
+inside, go = threading.Event(), threading.Event()
+def hold(ids, logits):
+    inside.set()
+    go.wait(30)
+    return logits
+out = {}
+t = threading.Thread(target=lambda: out.update(a=llm("the cat sat on the mat", max_tokens=6, temperature=0,
+                                                      logits_processor=[hold])))
+t.start()
+assert inside.wait(30)
+for name, call in [("completion", lambda: llm("a dog", max_tokens=2)), ("eval", lambda: llm.eval([1, 2])),
+                   ("reset", llm.reset), ("save_state", llm.save_state)]:
+    try:
+        call()
+        print(name, "ran")
+    except RuntimeError as e:
+        print(name, "refused" if "in use by another thread" in str(e) else repr(e))
+go.set()
+t.join(60)
+print("alone", out["a"]["choices"][0]["text"] == expected)
+stream = llm("the cat sat on the mat", max_tokens=6, temperature=0, stream=True)
+with ThreadPoolExecutor(4) as pool:  # one next() per task, on whichever thread
+    pieces = []
+    while (piece := pool.submit(next, stream, None).result()) is not None:
+        pieces.append(piece["choices"][0]["text"])
+print("in turn", "".join(pieces) == expected)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.split("\n")
+    assert [f"{n} refused" for n in ("completion", "eval", "reset", "save_state")] == lines[:4], proc.stdout
+    assert lines[4:6] == ["alone True", "in turn True"], proc.stdout
