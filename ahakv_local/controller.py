@@ -162,7 +162,9 @@ def check_floor(cfg: ControllerConfig, layout: CacheLayout, allocation: Allocati
             continue
         if budget.mode == "cells" and not window:
             raise AhakvError(f"budget {int(budget.value)} is smaller than {protected} ({parts})")
+        # (the shared pool, or a model of one kind of layer: one group over every layer)
         where = "sliding-window layers (inside their window)" if window else "full-attention layers"
+        where = where if len(allocation.groups) > 1 else "layers"
         raise AhakvError(
             f"budget {budget} keeps {int(held.value)} cells of the {where}: fewer than {protected} ({parts})"
         )

@@ -353,6 +353,9 @@ def test_a_byte_budget_too_small_is_one_line(gemma3_fixture):
             with pytest.raises(AhakvError, match=match) as info:
                 open_session(gemma3_fixture, SessionSpec.bounded("h2o", text, evict_every=1, layer_budgets=lb), 400, 16)
             assert "\n" not in str(info.value)
+            if text == "8KiB":  # the shared pool's one group is every layer's (it said "of the full-attention layers")
+                where = "cells of the layers:" if lb == "shared" else "cells of the full-attention layers:"
+                assert where in str(info.value)
 
 
 @pytest.mark.parametrize("reading", ["query", "reconstruct"])
