@@ -133,6 +133,11 @@ class ChatSession:
                 return "".join(reply)
             self.messages.pop()  # stopped while the message was read: taken back, as if never sent
             reply = None
+            if self.llm.kv_controller is not None:
+                # the chunks read of it were compressed, evicting history for a message that is not sent, and their
+                # rows are in the policy's statistics: the history is read again with the next message, as after a
+                # stopped /read (the next answer differed from a fresh chat's, half the budget's history gone)
+                self.llm.reset()
             raise
         except (AhakvError, ValueError):
             if not "".join(reply):
@@ -404,6 +409,7 @@ def _repl(session: ChatSession) -> None:
         if not text.strip():
             continue
         if text.startswith("/") and not block:  # (a block's "/etc/hosts maps names ..." is a message)
+            stop = None
             cmd, _, arg = text.strip().partition(" ")
             cmd = cmd.lower()  # ("/HELP" was an unknown command)
             try:
@@ -413,12 +419,12 @@ def _repl(session: ChatSession) -> None:
                     return
                 with StopOnInterrupt() as stop:  # the first Ctrl-C stops a /read, a second one exits
                     msg = command(session, cmd, arg.strip(), stop)
-                if stop():
-                    stopped_at = time.monotonic()
             except AhakvError as exc:
                 msg = f"error: {exc}"
             except Exception as exc:  # a bug must not end the session and lose the conversation
                 msg = f"error: {cmd} failed: {exc.__class__.__name__}: {exc}"
+            if stop is not None and stop():  # (a stopped /read is an error line: a Ctrl-C after it warned, not quit)
+                stopped_at = time.monotonic()
             click.echo(msg, err=True)
             continue
         try:  # a terminal's bytes that are not UTF-8 (Python hands them on as surrogates; a command's file name may

@@ -480,7 +480,10 @@ class Engine:
         return self._model.tokenize(text.encode(), add_bos, special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return self._model.detokenize(list(tokens)).decode(errors="replace")
+        return self.detokenize_bytes(tokens).decode(errors="replace")
+
+    def detokenize_bytes(self, tokens: Sequence[int]) -> bytes:
+        return self._model.detokenize(list(tokens))
 
     def chat_prompt(self, messages: list[dict]) -> tuple[list[int], list[str]]:
         """(tokens, stop strings) of chat ``messages`` with the model's own template (``upstream.chat_prompt``)."""

@@ -11,6 +11,7 @@ sit among theirs: its float sums meet them in another order).
 
 from __future__ import annotations
 
+import codecs
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -200,20 +201,19 @@ class SequencePool:
         if len(gen.tokens) >= gen.sampling.max_tokens or self.controllers[seq].engine.n_past + 1 >= e.n_ctx_train:
             self._finish(seq, text[gen.sent :], "length")
             return
-        # hold back an unfinished UTF-8 character, and what could begin a stop string before it (the text's longest
-        # end that begins one: taken of the text with the unfinished character, none matched, and the "a" of a stop
-        # string "a𓀀" went out before its character was whole)
-        whole = len(text)
-        while whole > gen.sent and text[whole - 1] == "\ufffd":
-            whole -= 1
-        ready = whole - stop_prefix(text[:whole], gen.sampling.stop)
+        # hold back what could begin a stop string (the text's longest end that begins one; an unfinished UTF-8
+        # character is not in the text yet: the "a" of a stop string "a𓀀" went out before its character was whole)
+        ready = len(text) - stop_prefix(text, gen.sampling.stop)
         if ready > gen.sent:
             gen.emit(text[gen.sent : ready], None)
             gen.sent = ready
         self.next_token[seq] = token
 
     def _text(self, gen: Generation) -> str:
-        return self.engine.detokenize(gen.tokens)
+        """The text of the tokens sampled so far, as llama-cpp-python makes it: bytes that are no UTF-8 dropped
+        (``errors="ignore"``; they came out as U+FFFD here, where the one-at-a-time server dropped them), an unfinished
+        character at the end held back until its bytes are all in (at the end of a generation, dropped)."""
+        return codecs.getincrementaldecoder("utf-8")("ignore").decode(self.engine.detokenize_bytes(gen.tokens))
 
     def _finish(self, seq: int, rest: str, reason: str) -> None:
         gen = self.active[seq]

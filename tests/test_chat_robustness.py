@@ -1420,3 +1420,62 @@ def test_stats_right_after_budget_auto_show_no_decision_yet(chat):
     talk(chat, "and tomorrow?")  # decided now: between 10% and 40% of the tokens seen
     s = chat.llm.kv_stats()
     assert 0.10 * s.tokens_seen - 1 <= s.budget <= 0.40 * s.tokens_seen
+
+
+@pytest.mark.parametrize(("window", "quits"), [(0.0, False), (60.0, True)])
+def test_a_ctrl_c_right_after_a_stopped_read_is_the_second_of_twice_to_quit(chat, monkeypatch, capsys, window, quits):
+    """A /read stopped by a first Ctrl-C ends as an error line ("/read stopped: doc was not added"), and the stop was
+    then not noted: a second Ctrl-C within QUIT_WINDOW warned instead of quitting, where after a stopped answer it
+    quits. The stopped /read is stood in for by a command that takes the first Ctrl-C and says so."""
+    import signal
+
+    from ahakv_local import chat as chat_module
+
+    def stopped_read(session, cmd, arg, stop):
+        os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C, as the document is read
+        assert stop()
+        raise AhakvError(f"/read stopped: {arg} was not added")
+
+    monkeypatch.setattr(chat_module, "command", stopped_read)
+    run_repl(chat, monkeypatch, [("/read doc.txt", False, 1), KeyboardInterrupt, ("hello", False, 1)], window)
+    err = capsys.readouterr().err
+    assert "error: /read stopped: doc.txt was not added" in err
+    assert ("(Ctrl-C again to quit" in err) is not quits
+    assert any(m["content"] == "hello" for m in chat.messages) is not quits  # warned: the chat went on
+
+
+def test_after_a_message_stopped_while_read_the_next_answer_is_a_fresh_chat_s(fixture_model):
+    """A first Ctrl-C stops a long message between two chunks and takes it back ("not sent"), but the chunks read had
+    been compressed, evicting the conversation's history for it, and their rows were in the policy's statistics: the
+    next answer differed from a fresh chat's (Gemma 3 270M at 256 cells: 117 cells kept of 461 seen, a fresh chat 233).
+    The history is read again with the next message, as after a stopped /read. Reference: a fresh chat given the kept
+    messages (as /load gives them), asked the same."""
+    kw = dict(kv_budget=64, kv_recent=8, n_batch=32, kv_reuse_compressed=True, verbose=False)
+
+    def chat_of(llm):
+        return ChatSession(llm, "You are terse.", max_tokens=6, temperature=0.0)
+
+    with Llama(str(fixture_model), **kw) as llm:
+        s = chat_of(llm)
+        talk(s, "hello there, tell me about " + "the weather and the sea " * 4)
+        kept = list(s.messages)
+        asked = []
+
+        def stop() -> bool:  # true after three chunks of the long message: history evicted for them
+            asked.append(0)
+            return len(asked) > 3
+
+        with pytest.raises(Stopped):
+            s.answer("the quick brown fox jumps over the lazy dog " * 30, io.StringIO(), stop)
+        assert s.messages == kept
+        got, stats = talk(s, "and the mountains?"), llm.kv_stats()
+    with Llama(str(fixture_model), **kw) as fresh_llm:
+        fresh = chat_of(fresh_llm)
+        fresh.messages = list(kept)
+        want, want_stats = talk(fresh, "and the mountains?"), fresh_llm.kv_stats()
+    assert got == want
+    assert (stats.cells_used, stats.evicted, stats.tokens_seen) == (
+        want_stats.cells_used,
+        want_stats.evicted,
+        want_stats.tokens_seen,
+    )

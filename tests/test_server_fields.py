@@ -350,3 +350,30 @@ def test_connections_past_the_cap_are_refused_not_left_to_use_up_the_files(fixtu
             assert r.status == 200
     finally:
         stop_server(proc)
+
+
+def test_the_parallel_server_drops_bytes_that_are_no_utf8_as_llama_cpp_python_does(fixture_model):
+    """The random-weight fixture samples bytes that are no UTF-8 all the time. llama-cpp-python drops them
+    (errors="ignore"), and so does the one-at-a-time server; the parallel server's text had U+FFFD in their place, in
+    the middle and at a "length" finish. The reference: llama_cpp.Llama's 24 greedy tokens, read in the same chunks
+    (the budget of 48 evicts nothing), their bytes decoded as llama-cpp-python decodes them."""
+    import llama_cpp
+
+    prompt = "Once upon a time"
+    upstream = llama_cpp.Llama(str(fixture_model), n_ctx=256, n_batch=CHUNK, n_ubatch=CHUNK, verbose=False)
+    try:
+        tokens = upstream.tokenize(prompt.encode())
+        sampled = []
+        for token in upstream.generate(tokens, temp=0.0):
+            sampled.append(token)
+            if len(sampled) == 24:
+                break
+        assert len(tokens) + len(sampled) < 48 and not any(upstream.token_eos() == t for t in sampled)
+        want = upstream.detokenize(sampled).decode("utf-8", errors="ignore")
+        assert "\ufffd" in upstream.detokenize(sampled).decode("utf-8", errors="replace")  # (bytes to drop)
+    finally:
+        upstream.close()
+    with served(fixture_model, True) as base:
+        status, out = call(base, "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0})
+        assert status == 200, out
+        assert out["choices"][0]["text"] == want
