@@ -345,7 +345,13 @@ def run_chat(session: ChatSession) -> None:
         try:
             _repl(session)
         finally:
-            keep_transcript(session)
+            # the chat is ending: a Ctrl-C pressed on (a key held down) must not cut the transcript's writing short (one
+            # landing in it kept no file, or printed a traceback)
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                keep_transcript(session)
+            finally:
+                signal.signal(signal.SIGINT, previous)
 
 
 def keep_transcript(session: ChatSession) -> None:

@@ -1479,3 +1479,30 @@ def test_after_a_message_stopped_while_read_the_next_answer_is_a_fresh_chat_s(fi
         want_stats.evicted,
         want_stats.tokens_seen,
     )
+
+
+def test_a_ctrl_c_while_the_transcript_is_written_on_exit_keeps_it(chat, tmp_path, monkeypatch):
+    """Ctrl-C pressed on as the chat quits (a key held down): one landing while the transcript was written kept no file,
+    or printed a traceback. On exit the transcript is written with Ctrl-C ignored, and the handler is put back."""
+    import signal
+
+    from ahakv_local import chat as chat_module
+
+    monkeypatch.setenv("AHAKV_CACHE_DIR", str(tmp_path))
+    talk(chat, "hello")
+    transcript = chat.transcript
+
+    def interrupted_transcript():
+        os.kill(os.getpid(), signal.SIGINT)  # lands as the transcript is being made
+        return transcript()
+
+    monkeypatch.setattr(chat, "transcript", interrupted_transcript)
+    monkeypatch.setattr(chat_module, "_repl", lambda session: None)  # quits at once
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        chat_module.run_chat(chat)
+    except KeyboardInterrupt:  # (a failure of this test, not the end of the suite)
+        pytest.fail("the Ctrl-C cut the transcript's writing short")
+    kept = list((tmp_path / "chats").iterdir())
+    assert len(kept) == 1 and json.loads(kept[0].read_text())[1]["content"] == "hello"
+    assert signal.getsignal(signal.SIGINT) is before
