@@ -89,7 +89,7 @@ def run_needle(
     keys = {(n, d, t): needle_key(seed, n, d, t) for n in lengths for d in depths for t in range(trials)}
     longest = max(lengths) + answer_tokens
     results: list[NeedleTrial] = []
-    total, done = len(specs) * len(keys), 0
+    total, done = sum(evicts_at(spec, n) for spec in specs for n, _, _ in keys), 0
     for spec in specs:
         with open_session(model, spec, longest, n_ubatch, rpc_servers=rpc_servers, n_threads=n_threads) as session:
             engine, ctl = session.engine, session.controller
@@ -98,6 +98,8 @@ def run_needle(
                 for length in lengths:
                     build_prompt(engine, filler, length, 0.0, "00000")
             for (length, depth, _), key in keys.items():
+                if not evicts_at(spec, length):
+                    continue
                 prompt = build_prompt(engine, filler, length, depth, key)
                 session.reset()  # an empty cache and a fresh policy for every trial
                 out, peak = session.answer(ctl.prefill(prompt), answer_tokens)
@@ -109,6 +111,13 @@ def run_needle(
                 done += 1
                 progress(done, total)
     return results
+
+
+def evicts_at(spec: SessionSpec, length: int) -> bool:
+    """Whether ``spec`` is run on prompts of ``length`` tokens: the full cache always, a cell budget where it cannot
+    hold the prompt. One that can evicts nothing: its cell of the table was the full cache's under the budget's
+    name (``--lengths 256,1024 --budgets 512``), as ``eval ppl`` refuses such a row; it is left blank."""
+    return not (spec.budget.mode == "cells" and spec.budget.value >= length)
 
 
 def accuracy_table(trials: list[NeedleTrial]) -> list[str]:

@@ -103,3 +103,23 @@ def test_max_cells_is_the_most_the_cache_held(fixture_model, license_text, monke
     monkeypatch.setattr(Engine, "decode", counted)
     [trial] = run_needle(fixture_model, license_text, [400], [0.5], [SessionSpec.bounded("h2o", 96)], n_threads=1)
     assert trial.max_cells == max(held) > 96 + 1  # a chunk on top of what an eviction keeps
+
+
+def test_a_budget_that_holds_a_length_s_prompt_is_not_run_there(fixture_model, license_text, tmp_path):
+    """``--lengths 256,1024 --budgets 512``: the 512-cell budget held every 256-token prompt, evicted nothing, and its
+    cell of the table was the full cache's under the budget's name (max_cells the full cache's). It is run only where
+    it evicts; that cell is blank, the full cache's row beside it."""
+    from ahakv_local.needle import accuracy_table, run_needle
+    from ahakv_local.session import SessionSpec
+
+    specs = [SessionSpec(), SessionSpec.bounded("streaming", 512, n_recent=8)]
+    progress = []
+    runs = run_needle(
+        fixture_model, license_text, [256, 1024], [0.5], specs, n_threads=1, progress=lambda d, t: progress.append(t)
+    )
+    assert sorted((r.policy, r.length) for r in runs) == [("full", 256), ("full", 1024), ("streaming", 1024)]
+    assert set(progress) == {3}  # the runs made, not the grid
+    bounded = next(r for r in runs if r.policy == "streaming")
+    assert bounded.max_cells < 1024  # evicting
+    row = next(line for line in accuracy_table(runs) if line.startswith("| streaming"))
+    assert row.split("|")[3].strip() == ""  # the 256-token column
