@@ -1072,3 +1072,17 @@ print("in turn", "".join(pieces) == expected)
     lines = proc.stdout.split("\n")
     assert [f"{n} refused" for n in ("completion", "eval", "reset", "save_state")] == lines[:4], proc.stdout
     assert lines[4:6] == ["alone True", "in turn True"], proc.stdout
+
+
+def test_a_reconstruction_with_a_policy_no_reading_guides_is_refused_in_its_own_words(fixture_model):
+    """``Llama(kv_policy="h2o", kv_query="reconstruct")`` opened (caches without a repetition's room), and every call
+    was refused with advice to open it with kv_query='reconstruct', as it had been. It is refused when it opens, as
+    the CLI refuses --reading reconstruct with h2o, and so is a call's kv_query='reconstruct' on such a Llama."""
+    with pytest.raises(
+        AhakvError, match=r"^kv_query 'reconstruct' needs a policy a question can guide \(.*\), not h2o"
+    ):
+        Llama(str(fixture_model), kv_budget=64, kv_policy="h2o", kv_query="reconstruct", verbose=False)
+    with Llama(str(fixture_model), kv_budget=64, kv_policy="h2o", verbose=False) as llm:
+        with pytest.raises(AhakvError, match=r"needs a policy a question can guide .*, not h2o"):
+            llm("the cat", max_tokens=2, kv_query="reconstruct")
+        assert llm("the cat", max_tokens=2, kv_query="surprisal")["usage"]["completion_tokens"] >= 2  # (UTF-8 fix-up)
