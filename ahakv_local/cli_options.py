@@ -111,7 +111,8 @@ kv_type_option = click.option(  # the commands that load a model, and info, whic
     show_default=True,
     envvar="AHAKV_KV_TYPE",
     help="KV cache type of K and V (q8_0 about half the bytes of f16, q4_0 a quarter; flash attention on). "
-    "auto: f16, except a byte budget below llama.cpp's trimmed cache: q8_0, below a fifth of it q5_0.",
+    "auto: f16, except a byte budget below the trimmed cache for the context as this engine lays it out (the "
+    "window plus one prompt chunk): q8_0, below a fifth of it q5_0.",
 )
 
 
