@@ -601,13 +601,10 @@ def serve(model, host, port, max_tokens_limit, parallel, **engine) -> None:
 def refuse_unguided_reading(policy: str, reading: str) -> None:
     """--reading (or AHAKV_READING) query or reconstruct asked for a policy no question guides: refused in one line,
     as the server refuses a request's kv_query (it was read plainly, silently); the default reading is not asked."""
-    from .policies import make_policy, query_readers
+    from .policies import check_guided
 
-    if given("reading") and reading in ("query", "reconstruct") and not make_policy(policy).reads_with_query:
-        raise AhakvError(
-            f"--reading {reading} needs a policy a question can guide ({query_readers()}), not {policy}: "
-            "read with --reading plain or surprisal"
-        )
+    if given("reading") and reading in ("query", "reconstruct"):
+        check_guided(policy, f"--reading {reading}", "--reading plain or surprisal")
 
 
 def load_pool(

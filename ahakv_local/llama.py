@@ -54,7 +54,7 @@ from .engine import Engine, clear_next_caches, kv_type_params, set_next_caches
 from .errors import AhakvError
 from .info import check_kv_types, read_info, reading_headers_once
 from .native import MAX_THREADS
-from .policies import KINDS, make_policy, query_readers
+from .policies import KINDS, check_guided, make_policy
 from .session import SessionSpec, check_kv_query, guide_of
 from .textfile import last_paragraph
 
@@ -121,16 +121,6 @@ def llama_response_format(response_format: dict) -> dict:
         except Exception as exc:  # (an AssertionError, mostly: the converter checks what it supports with assert)
             raise ValueError(f"response_format's schema cannot be sampled: {exc}") from None
     return response_format
-
-
-def refuse_unguided_reconstruction(policy: str) -> None:
-    """kv_query 'reconstruct' with a policy no reading guides (h2o, ...): refused in the words the CLI's --reading
-    uses (the caches keep no room for its repetition)."""
-    if not make_policy(policy).reads_with_query:
-        raise AhakvError(
-            f"kv_query 'reconstruct' needs a policy a question can guide ({query_readers()}), not {policy}: read with "
-            "kv_query=False or 'surprisal'"
-        )
 
 
 def one_call_at_a_time(method):
@@ -306,7 +296,7 @@ class Llama(llama_cpp.Llama):
         # question-agnostically (/read), which needs a reconstruction pass's room, more than a question's
         reading = reading_of(kv_query)
         if kv_query == "reconstruct":  # (opened, then every call was refused with advice to open it so)
-            refuse_unguided_reconstruction(kv_policy)
+            check_guided(kv_policy, "kv_query 'reconstruct'", "kv_query=False or 'surprisal'")
         if kv_reuse_compressed and reading == "query":
             reading = "reconstruct"
         if kv_layer_budgets is None:
@@ -419,9 +409,9 @@ class Llama(llama_cpp.Llama):
         if self._kv is None or not query:
             self._kv_guide = None
             return
-        if query == "reconstruct":
-            refuse_unguided_reconstruction(self._kv.policy.name)
         room = self._kv.config.room
+        if query == "reconstruct":
+            check_guided(self._kv.policy.name, "kv_query 'reconstruct'", "kv_query=False or 'surprisal'")
         if query == "reconstruct" and (needs := room_short(query, self._kv_engine.config.n_ubatch, room)) is not None:
             raise AhakvError(
                 f"kv_query 'reconstruct' decodes a repetition of {needs} tokens beside each chunk, and this Llama's "

@@ -30,6 +30,15 @@ def query_readers() -> str:
     return ", ".join(name for name, cls in POLICIES.items() if cls.reads_with_query)
 
 
+def check_guided(policy: str, asked: str, instead: str) -> None:
+    """Refuse ``asked`` (a reading by a question or a reconstruction: "--reading query", "kv_query 'reconstruct'") for
+    a policy no question guides, naming the ones it can guide and what to read with ``instead``."""
+    if not make_policy(policy).reads_with_query:
+        raise AhakvError(
+            f"{asked} needs a policy a question can guide ({query_readers()}), not {policy}: read with {instead}"
+        )
+
+
 KINDS = {  # a setting's annotated type -> what it takes (numpy's numbers too; a bool is no number here)
     "bool": lambda v: isinstance(v, bool),
     "int": lambda v: isinstance(v, Integral) and not isinstance(v, bool),
