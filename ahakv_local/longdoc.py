@@ -185,7 +185,7 @@ def _task(task: str, rng: random.Random, depth: float):
         name, keys = rng.choice(NAMES), _keys(rng, 3)
         hidden = [(rng.random() if i else depth, f"One of the pass keys of {name} is {k}.") for i, k in enumerate(keys)]
         question = f"What are all the pass keys of {name}? Remember: the pass keys are numbers."
-        return hidden, question, f" The pass keys of {name} are numbers", tuple(keys)
+        return hidden, question, f" The pass keys of {name} are:", tuple(keys)
     if task == "vartrack":
         value, other = _keys(rng, 2)
         names = _var_names(rng, 8)

@@ -71,7 +71,7 @@ def test_items_have_the_length_the_sentences_at_their_depths_and_the_question_la
         tail = item.prompt[-len(item.question) - 20 :]
         assert any(tail[i : i + len(item.question)] == item.question for i in range(20 + 1))
         assert question.startswith("\n\nWh") and "?" in question and question.strip() in text[-160:]
-        assert text.rstrip().endswith((" is", " is number", " are numbers", " are VAR"))
+        assert text.rstrip().endswith((" is", " is number", " are:", " are VAR"))
         # every hidden sentence once, after `depth` of the filler (the intro, the sentences and the question
         # with its answer prefix are the only tokens that are not filler)
         head = len(e.tokenize(INTROS[task]))
@@ -304,6 +304,17 @@ def test_gemma_full_cache_solves_the_single_task_at_2048_tokens(gemma_model):
     assert [(t.label, t.length, t.depth) for t in trials] == [("full", 2048, d) for d in (0.1, 0.5, 0.9)]
     assert all(t.peak_cells >= 2048 and t.prompt_seconds > 0 for t in trials)
     assert all(t.solved and t.answer.startswith(t.expected) for t in trials), [(t.expected, t.answer) for t in trials]
+
+
+def test_gemma_full_cache_answers_the_multivalue_task_with_its_pass_keys(gemma_model):
+    """The multi-value answer prefix ended " ... are numbers", which invites a full stop: every answer of the full
+    cache began with "." and went on with licence text, so the task scored 0 whatever the cache held. After
+    " ... are:" the model lists numbers; a 270M model copies one key and counts on from it ("19030, 19031, ..."), so
+    what is asserted is that the answers start with a number and recall keys, not how many."""
+    trials = run_longdoc(gemma_model, lambda n: [SessionSpec()], ["multivalue"], [1024], [0.1, 0.3, 0.5, 0.7, 0.9])
+    answers = [(t.expected, t.answer) for t in trials]
+    assert not any(t.answer.startswith(".") for t in trials), answers
+    assert sum(t.score for t in trials) >= 2 / 3, answers  # at least two pass keys recalled over the five items
 
 
 def test_the_heatmap_shows_every_label_whole(tmp_path, monkeypatch):
