@@ -190,6 +190,17 @@ def room_short(reading: str, chunk: int, room: int) -> int | None:
     return needs if needs > room else None
 
 
+def check_room(reading: str, chunk: int, room: int, *, shown: str, caches: str, advice: str) -> None:
+    """Refuse ``reading`` where caches that keep ``room`` beside a chunk of ``chunk`` cannot hold what it decodes
+    (``room_short``), in the caller's words: ``shown`` is the reading as its user wrote it, ``caches`` whose caches they
+    are ("this server's") and ``advice`` how to open them with the room."""
+    if (needs := room_short(reading, chunk, room)) is not None:
+        raise AhakvError(
+            f"{shown} decodes a repetition of {needs} tokens beside each chunk, and {caches} caches keep {room}: "
+            f"{advice}"
+        )
+
+
 def cells_for(budget: Budget, chunk: int, longest: int, room: int = 0) -> int:
     """KV cells to allocate for a sequence under ``budget`` that is read ``chunk`` tokens at a time and is
     at most ``longest`` tokens long: a cell budget needs itself, one chunk on top (the cache is compressed

@@ -44,10 +44,10 @@ from .budget import (
     KV_TYPE_AUTO,
     QUESTION_AGNOSTIC,
     Budget,
+    check_room,
     check_trained_context,
     default_layer_budgets,
     reading_of,
-    room_short,
 )
 from .controller import ControllerStats, KVController, Reconstruct
 from .engine import Engine, clear_next_caches, kv_type_params, set_next_caches
@@ -412,11 +412,10 @@ class Llama(llama_cpp.Llama):
         room = self._kv.config.room
         if query == "reconstruct":
             check_guided(self._kv.policy.name, "kv_query 'reconstruct'", "kv_query=False or 'surprisal'")
-        if query == "reconstruct" and (needs := room_short(query, self._kv_engine.config.n_ubatch, room)) is not None:
-            raise AhakvError(
-                f"kv_query 'reconstruct' decodes a repetition of {needs} tokens beside each chunk, and this Llama's "
-                f"caches keep {room}: open it with kv_query='reconstruct' (or kv_reuse_compressed=True)"
-            )
+            check_room(
+                query, self._kv_engine.config.n_ubatch, room, shown="kv_query 'reconstruct'", caches="this Llama's",
+                advice="open it with kv_query='reconstruct' (or kv_reuse_compressed=True)",
+            )  # fmt: skip
         question = None  # True: the prompt's last paragraph
         if query is True and prompt is not None:
             text = prompt if isinstance(prompt, str) else self.detokenize(list(prompt)).decode(errors="replace")

@@ -50,7 +50,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
-from .budget import Budget, room_short
+from .budget import Budget, check_room
 from .errors import AhakvError
 from .llama import Llama, Stopped, llama_response_format
 from .parallel import RANDOM_SEED, Generation, Sampling, SequencePool, prompt_of
@@ -370,11 +370,11 @@ def check_request_query(query: bool | str | None, policy: Policy | None, room: i
         raise AhakvError(
             f"kv_query {shown} needs a policy that reads with a question ({query_readers()}), not {policy.name}"
         )
-    if query == "reconstruct" and (needs := room_short(query, chunk, room)) is not None:
-        raise AhakvError(
-            f'kv_query "reconstruct" decodes a repetition of {needs} tokens beside each chunk, and this server\'s '
-            f"caches keep {room}: start it with --reading reconstruct"
-        )
+    if query == "reconstruct":
+        check_room(
+            query, chunk, room, shown='kv_query "reconstruct"', caches="this server's",
+            advice="start it with --reading reconstruct",
+        )  # fmt: skip
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
