@@ -285,7 +285,9 @@ class KVController:
         self.stats.peak_cells = max(self.stats.peak_cells, self.stats.cells_used)
         self.stats.evicted = _mean([g.evicted for g in counted])
         # what each holds: its last eviction target, or before one (nothing read yet, or stopped mid-read) its budget's
-        targets = [g.budget.target(self.engine.n_past) if g.decided is None else g.decided for g in counted]
+        n = self.engine.n_past  # (a ratio of no tokens holds none: its target's floor of one cell showed "budget 1")
+        held = [(g.budget.target(n) if n or g.budget.mode != "ratio" else 0) for g in counted]
+        targets = [t if g.decided is None else g.decided for g, t in zip(counted, held, strict=True)]
         self.stats.budget = None if None in targets else _mean(targets)  # auto: none until an eviction decides one
 
     @property

@@ -321,6 +321,8 @@ def test_ratio_and_auto_budgets_work_at_the_default_context(gemma_model, license
     25% kept the 36 protected positions (4% of 948 tokens), and auto was refused ("at most -1 cells")."""
     llm = Llama(str(gemma_model), kv_budget=budget, n_threads=1, verbose=False)
     try:
+        # nothing read yet: a quarter of no tokens holds no cells (it showed "budget 1"), auto has not decided ("-")
+        assert llm.kv_stats().budget == (0 if budget == "25%" else None)
         llm(license_text[:4000], max_tokens=2)
         s = llm.kv_stats()
         assert s.tokens_seen > 800 and s.cells_used <= s.budget
@@ -332,6 +334,8 @@ def test_ratio_and_auto_budgets_work_at_the_default_context(gemma_model, license
             assert s.budget == pytest.approx(0.25 * s.tokens_seen, abs=1) and s.cells_used >= 0.2 * s.tokens_seen
         else:  # auto's error model keeps kv_min_ratio-kv_max_ratio (10-40%) of it, less one cell of rounding
             assert 0.10 * s.tokens_seen - 1 <= s.cells_used <= 0.40 * s.tokens_seen
+        llm.reset()  # (as the chat does after a stopped /read)
+        assert llm.kv_stats().budget == (0 if budget == "25%" else None) and llm.kv_stats().cells_used == 0
     finally:
         llm.close()
 
