@@ -311,9 +311,21 @@ def load_llama(
     lib()  # refuse an unpatched or missing engine with one line, before llama_cpp is imported
     threads = threads or default_threads()  # llama-cpp-python's own default would be half the cores
     n_gpu_layers = gpu_layers(n_gpu_layers, rpc)
-    from .llama import Llama
+    from .llama import BOUNDED_SETTINGS, Llama
 
     batch_size = batch_size or (BUDGETED_BATCH if budget is not None else 512)
+    bounded = dict(
+        kv_budget=budget,
+        kv_policy=policy,
+        kv_sinks=sinks,
+        kv_recent=recent,
+        kv_error_tol=error_tol,
+        kv_evict_every=evict_every,
+        kv_observe_steps=observe_steps,
+        kv_query=kv_query_of(reading),
+        kv_layer_budgets=layer_budgets,  # None: the product's layout for the model (budget.default_layer_budgets)
+        **{k: extra.pop(k) for k in list(extra) if k in BOUNDED_SETTINGS},  # (chat's kv_reuse_compressed)
+    )
     try:
         return Llama(
             str(path),
@@ -324,16 +336,8 @@ def load_llama(
             n_threads_batch=threads,
             n_gpu_layers=n_gpu_layers,
             verbose=False,
-            kv_budget=budget,
-            kv_policy=policy,
-            kv_sinks=sinks,
-            kv_recent=recent,
-            kv_error_tol=error_tol,
-            kv_evict_every=evict_every,
-            kv_observe_steps=observe_steps,
-            kv_query=kv_query_of(reading),
-            kv_layer_budgets=layer_budgets,  # None: the product's layout for the model (budget.default_layer_budgets)
             rpc_servers=rpc,
+            **(bounded if budget is not None else {}),  # (without one the environment's policy would be warned of)
             **extra,
         )
     except AhakvError:

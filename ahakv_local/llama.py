@@ -27,10 +27,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import inspect
 import json
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -282,6 +284,14 @@ class Llama(llama_cpp.Llama):
             raise ValueError("vocab_only loads the tokenizer alone: a KV budget needs the model's layers")
         if kv_budget is None:
             make_policy(kv_policy)  # an unknown name is refused with or without a budget (the policy acts with one)
+            asked = self._asked | {"kv_policy": _DEFAULTS["kv_policy"] if kv_policy == "full" else kv_policy}
+            if unused := [name for name in BOUNDED_SETTINGS if asked[name] != _DEFAULTS[name]]:
+                # (the CLI refuses them; an app's config may pass them beside a budget it sometimes leaves out)
+                warnings.warn(
+                    f"{', '.join(unused)} appl{'y' if unused[1:] else 'ies'} to a bounded KV cache: without "
+                    "kv_budget every token is kept",
+                    stacklevel=2,
+                )
             if kv_type not in (None, KV_TYPE_AUTO):  # "auto" spends a budget: without one, f16 as by default
                 self._use_kv_type(model_path, kv_type, kwargs)
             check_cells(model_path, n_ctx, None)
@@ -800,3 +810,12 @@ class Llama(llama_cpp.Llama):
             kv_type=engine.config.type_k,
             layer_budgets=self._kv.config.layer_budgets if self._kv is not None else "",
         )
+
+
+# the settings of a bounded cache: without kv_budget every token is kept and none of them changes anything (kv_type
+# does: a K/V type is allocated with or without a budget)
+BOUNDED_SETTINGS = (
+    "kv_policy", "kv_sinks", "kv_recent", "kv_error_tol", "kv_min_ratio", "kv_max_ratio", "kv_evict_every",
+    "kv_observe_steps", "kv_pinned", "kv_reuse_compressed", "kv_query", "kv_layer_budgets",
+)  # fmt: skip
+_DEFAULTS = {name: p.default for name, p in inspect.signature(Llama.__init__).parameters.items()}

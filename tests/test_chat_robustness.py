@@ -735,7 +735,8 @@ def test_a_refused_load_names_the_options_that_load_it(fixture_model, tmp_path):
     byte budget the options that, followed, were refused again (--budget 8MiB opened in another K/V type)."""
 
     def chat(**kw) -> ChatSession:
-        llm = Llama(str(fixture_model), kv_recent=8, verbose=False, **({"n_batch": 32} | kw))
+        bounded = {"kv_recent": 8} if "kv_budget" in kw else {}  # (without a budget it would be warned of)
+        llm = Llama(str(fixture_model), verbose=False, **({"n_batch": 32} | bounded | kw))
         return ChatSession(llm, None, max_tokens=4, temperature=0.0)
 
     made = {
@@ -1168,8 +1169,8 @@ def test_a_first_ctrl_c_stops_the_reading_of_a_long_message(fixture_model, budge
     """The first Ctrl-C was seen only once a long message had been read to its end (32 s for 2,600 tokens on
     Gemma 3 270M), and users then pressed a second one, which ends the chat. It now stops between two prompt chunks:
     the message is taken back, the conversation is as before it, and the next one is answered."""
-    kw = dict(kv_budget=budget, kv_recent=8) if budget else dict(kv_policy="full", n_ctx=4096)
-    llm = Llama(str(fixture_model), n_batch=32, kv_reuse_compressed=True, verbose=False, **kw)
+    kw = dict(kv_budget=budget, kv_recent=8, kv_reuse_compressed=True) if budget else dict(n_ctx=4096)
+    llm = Llama(str(fixture_model), n_batch=32, verbose=False, **kw)  # (as the chat opens each)
     try:
         s = ChatSession(llm, "You are terse.", max_tokens=6, temperature=0.0)
         talk(s, "hello")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -232,6 +233,30 @@ def test_a_prompt_past_the_trained_context_names_it(fixture_model):
     with Llama(str(fixture_model), kv_budget=64, n_batch=64, verbose=False) as llm:  # trained context 4,096
         with pytest.raises(ValueError, match="trained context of 4096 positions"):
             llm("a b " * 4000, max_tokens=2)
+
+
+def test_settings_of_a_bounded_cache_without_a_budget_are_warned_of(fixture_model, recwarn):
+    """kv_policy="h2o" without kv_budget kept every token without a word (the CLI refuses --policy without --budget);
+    the drop-in warns, naming what does nothing, and stays quiet for what does something without a budget."""
+    with pytest.warns(UserWarning, match=r"^kv_policy, kv_sinks apply to a bounded KV cache: without kv_budget"):
+        Llama(str(fixture_model), kv_policy="h2o", kv_sinks=8, n_ctx=128, verbose=False).close()
+    with pytest.warns(UserWarning, match=r"^kv_reuse_compressed, kv_query apply"):
+        Llama(str(fixture_model), kv_reuse_compressed=True, kv_query=False, n_ctx=128, verbose=False).close()
+    recwarn.clear()
+    for quiet in ({}, {"kv_policy": "full"}, {"kv_type": "f16"}, {"kv_policy": "ahakv", "kv_sinks": 4}):
+        Llama(str(fixture_model), n_ctx=128, verbose=False, **quiet).close()  # defaults, and what a full cache uses
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)], [str(w.message) for w in recwarn]
+
+
+def test_the_cli_without_a_budget_passes_no_bounded_settings(fixture_model):
+    """The CLI loads a model without a budget with none of the bounded cache's settings: its environment's
+    (AHAKV_POLICY) and chat's kv_reuse_compressed would each have been warned of."""
+    env = dict(os.environ, AHAKV_POLICY="h2o", AHAKV_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ahakv_local", "generate", str(fixture_model), "-p", "a b c", "-n", "2", "--temp", "0"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "Warning" not in proc.stderr, proc.stderr
 
 
 def test_budget_beyond_the_trained_context_is_refused_before_allocating(fixture_model):
