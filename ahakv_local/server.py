@@ -281,6 +281,10 @@ class Job:
     def stopped(self) -> bool:
         return self.cancelled.is_set() or self._shutdown.is_set()
 
+    @property
+    def server_stopping(self) -> bool:
+        return self._shutdown.is_set()
+
     def post(self, kind: str, payload: Any = None) -> None:
         self.finished |= kind in self.FINAL
         try:
@@ -344,6 +348,12 @@ async def respond(job: Job, request: Request) -> Response:
             return JSONResponse(payload)
         streaming = True
         return EventStream(job, event)
+    except asyncio.CancelledError:
+        if not job.server_stopping:
+            raise
+        # uvicorn cancels what is still open GRACE_S after a stop signal: a prompt chunk read for longer (a big model
+        # on a CPU) cannot stop sooner, and its client got uvicorn's plain-text 500 "Internal Server Error"
+        return error(503, "the server is shutting down")
     finally:
         if not streaming:
             job.cancelled.set()  # a no-op after the end; stops the worker if this coroutine was cancelled

@@ -4,6 +4,7 @@ a stop signal ends it promptly."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,11 +35,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model, *args: str) -> tuple[subprocess.Popen, str]:
+def start_server(model, *args: str, grace_s: float | None = None) -> tuple[subprocess.Popen, str]:
     """`ahakv-local serve MODEL ARGS` on a free loopback port, once /health answers; (process, base URL).
-    One thread: llama.cpp's threads spin at barriers, which on 2 cores shared with other work slows it 10x."""
+    One thread: llama.cpp's threads spin at barriers, which on 2 cores shared with other work slows it 10x.
+    ``grace_s``: how long open responses get after a stop signal, in place of server.GRACE_S."""
     port = free_port()
-    cmd = [sys.executable, "-m", "ahakv_local", "serve", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    run = ["-m", "ahakv_local"]
+    if grace_s is not None:
+        run = ["-c", f"import ahakv_local.server as s; s.GRACE_S = {grace_s}; from ahakv_local.cli import main; main()"]
+    cmd = [sys.executable, *run, "serve", str(model), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--threads", "1"]
     proc = subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
     base = f"http://127.0.0.1:{port}"
@@ -559,6 +564,33 @@ def test_sigterm_ends_a_generating_server_promptly(gemma_model):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("--budget", "none", "--batch-size", "512"), ("--budget", "256", "--parallel", "2")],
+    ids=["one", "parallel"],
+)
+def test_sigterm_while_a_prompt_chunk_is_read_answers_503_in_json(gemma_model, license_text, args):
+    """A prompt chunk cannot stop midway: one read for longer than the grace after SIGTERM (a big model on a CPU) was
+    cancelled by uvicorn, and its client got a plain-text 500 "Internal Server Error". The grace is cut to none here,
+    so that every chunk outlasts it."""
+    proc, base = start_server(gemma_model, *args, grace_s=0)
+    try:
+        sock = open_request(base, "/v1/completions", {"prompt": license_text[:12000], "max_tokens": 4})
+        time.sleep(1.0)  # the request reached the model, which is reading its first chunks
+        proc.send_signal(signal.SIGTERM)
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while block := sock.recv(4096):
+                answer += block
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), answer[:300]
+        assert json.loads(body)["error"]["message"] == "the server is shutting down"
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 # -- every exit path releases the model: a fake model that fails where no real request can
