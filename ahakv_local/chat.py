@@ -27,7 +27,7 @@ from .errors import AhakvError
 from .llama import Llama, Stopped
 from .paths import cache_dir
 from .policies import POLICIES, make_policy
-from .saved_chat import load_chat, save_chat
+from .saved_chat import load_chat, model_identity, save_chat
 from .textfile import read_text, shown_name, typed_text
 
 HELP = """commands:
@@ -60,6 +60,8 @@ class ChatSession:
 
     def __post_init__(self) -> None:
         self.reset()
+        with contextlib.suppress(AhakvError):  # (the model's identity while its file is where it was loaded from)
+            model_identity(self.llm)
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -40,16 +41,29 @@ WEIGHT_SAMPLES, SAMPLE_BYTES = 16, 64 * 2**10
 
 def model_identity(llm) -> dict[str, Any]:
     """What a state depends on: the same weights (the file name may differ): their shapes, vocabulary, file size and
-    a digest of samples of the file (two models of one shape and size, two fine-tunes or two seeds, differ there)."""
+    a digest of samples of the file (two models of one shape and size, two fine-tunes or two seeds, differ there).
+    Taken once for a loaded model (the chat takes it as it starts): llama.cpp holds the weights, and a model file
+    moved or deleted during a chat stopped /save and /load with a FileNotFoundError."""
+    if (known := _IDENTITIES.get(llm)) is not None:
+        return known
     path = Path(llm.model_path)
-    return {
+    try:
+        file_bytes, digest = path.stat().st_size, weights_digest(path)
+    except OSError as exc:
+        raise AhakvError(f"cannot read the model file {path}: {exc.strerror} (it was moved or deleted)") from None
+    known = {
         "n_vocab": llm.n_vocab(),
         "n_embd": llm.n_embd(),
         "n_layer": llm.kv_engine.n_layer,
         "n_ctx_train": llm.kv_engine.n_ctx_train,
-        "file_bytes": path.stat().st_size,
-        "weights_sha256": weights_digest(path),
+        "file_bytes": file_bytes,
+        "weights_sha256": digest,
     }
+    _IDENTITIES[llm] = known
+    return known
+
+
+_IDENTITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a loaded model's identity (``model_identity``)
 
 
 def weights_digest(path: Path) -> str:

@@ -97,6 +97,24 @@ def test_save_is_state_bytes_and_json_and_load_continues_identically(fixture_mod
         other.llm.close()
 
 
+def test_save_and_load_work_after_the_model_file_moves(fixture_model, tmp_path):
+    """llama.cpp holds the weights of a loaded model, but /save and /load read the file for its identity at each
+    call: a model moved or deleted during a chat (a cache cleaned, a download renamed) stopped both with a
+    FileNotFoundError, and the conversation could not be saved. The identity is taken as the chat starts."""
+    model = tmp_path / "model.gguf"
+    model.write_bytes(fixture_model.read_bytes())
+    chat = session(model, policy="streaming")
+    try:
+        talk(chat, "the cat sat on the mat")
+        model.rename(tmp_path / "moved.gguf")
+        command(chat, "/save", str(tmp_path / "a.chat"))
+        expected = talk(chat, "and the dog?")
+        assert command(chat, "/load", str(tmp_path / "a.chat")).startswith("loaded")
+        assert talk(chat, "and the dog?") == expected  # the saved conversation, continued the same way
+    finally:
+        chat.llm.close()
+
+
 def test_foreign_and_damaged_files_change_nothing(chat, tmp_path, capfd):
     talk(chat, "hello")
     saved = tmp_path / "conv.chat"
