@@ -327,6 +327,8 @@ def setup_history() -> None:
     try:
         history = cache_dir() / "chat_history"
         history.parent.mkdir(parents=True, exist_ok=True)
+        if history.exists() and not history.is_file():  # (a FIFO: the chat waited in open() before its banner)
+            return  # not ours: neither read nor written
         readline.read_history_file(history)
     except AhakvError:  # no cache folder at all (no home): the chat goes on without a history
         return

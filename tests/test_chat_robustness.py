@@ -10,6 +10,7 @@ import pickle
 import re
 import signal
 import stat
+import subprocess
 import sys
 import zipfile
 
@@ -279,6 +280,20 @@ def test_chats_ending_in_the_same_second_keep_a_transcript_each(chat, tmp_path, 
     first, second = (json.loads(p.read_text()) for p in reversed(kept))
     assert [m["content"] for m in first if m["role"] == "user"] == ["first"]
     assert [m["content"] for m in second if m["role"] == "user"] == ["first", "second"]
+
+
+def test_a_history_file_that_is_no_file_is_left_alone(tmp_path):
+    """A FIFO where the readline history lives (the cache's chat_history) held the chat in open() before its banner,
+    for good; it is now neither read nor written, and the chat starts."""
+    os.mkfifo(tmp_path / "chat_history")
+    code = "from ahakv_local.chat import setup_history; setup_history(); print('started')"
+    env = {**os.environ, "AHAKV_CACHE_DIR": str(tmp_path)}
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the chat's start waited on the FIFO")
+    assert proc.returncode == 0 and proc.stdout == "started\n", proc.stderr
+    assert stat.S_ISFIFO((tmp_path / "chat_history").stat().st_mode)
 
 
 def test_a_transcript_with_nowhere_to_go_is_shown_not_lost(chat, tmp_path, monkeypatch, capsys):
