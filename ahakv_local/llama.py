@@ -711,6 +711,11 @@ class Llama(llama_cpp.Llama):
         ids[: state.n_tokens] = np.asarray(state.input_ids[: state.n_tokens], dtype=np.intc)
         if state.n_tokens and (ids[: state.n_tokens].min() < 0 or ids[: state.n_tokens].max() >= n_vocab):
             raise ValueError("this state holds token ids outside this model's vocabulary")
+        if len(state.llama_state) < state.llama_state_size:  # (found in the copy below, after the sequence changed)
+            raise ValueError(
+                f"this state is damaged: its cache data holds {len(state.llama_state)} bytes of the "
+                f"{state.llama_state_size} it says"
+            )
         # llama.cpp checks the rest (the layers' caches, their types) only as it reads, having emptied the sequence:
         # the sequence as it is, to put back where it refuses
         backup = self.save_state() if self.n_tokens else None

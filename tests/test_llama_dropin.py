@@ -799,6 +799,24 @@ def test_a_state_whose_token_list_disagrees_with_its_cache_is_refused(fixture_mo
         assert b("and then", max_tokens=4, temperature=0)["choices"][0]["text"] is not None
 
 
+@pytest.mark.parametrize("budget", [64, None], ids=["bounded", "full cache"])
+def test_a_state_whose_cache_data_is_short_is_refused_before_anything_changes(fixture_model, budget):
+    """A state whose llama_state held fewer bytes than its llama_state_size was refused by numpy's copy, after the
+    caches had been resized and the token list and the counts replaced by the refused state's."""
+    kw = dict(n_ctx=512, verbose=False) | (dict(kv_budget=budget, kv_recent=8) if budget else {})
+    with Llama(str(fixture_model), **kw) as a:
+        a("the quick brown fox jumps over the lazy dog " * 8, max_tokens=4, temperature=0)
+        state = a.save_state()
+    with Llama(str(fixture_model), **kw) as b:
+        b("hello there", max_tokens=2, temperature=0)
+        before = (b.n_tokens, list(b.input_ids[: b.n_tokens]), b.kv_stats().tokens_seen, b.kv_stats().kv_cells)
+        state.llama_state = state.llama_state[:-100]
+        with pytest.raises(ValueError, match=r"^this state is damaged: its cache data holds \d+ bytes of the \d+"):
+            b.load_state(state)
+        after = (b.n_tokens, list(b.input_ids[: b.n_tokens]), b.kv_stats().tokens_seen, b.kv_stats().kv_cells)
+        assert after == before
+
+
 @pytest.mark.parametrize("layer_budgets", ["natural", "adaptive"])
 def test_a_state_with_a_position_past_its_token_list_in_any_cache_is_refused(license_text, layer_budgets):
     """A crafted state: one cell's position in one of the per-layer caches moved past the token list. llama.cpp's
