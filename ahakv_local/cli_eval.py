@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -63,6 +64,21 @@ def _out(out_dir: str, figure: str | None = None, inputs: tuple[str, ...] = ()) 
             with contextlib.suppress(OSError):
                 folder.rmdir()
     return out
+
+
+def _print_report(write: Callable[[], list[str]]) -> None:
+    """Write a finished run's report and print its Markdown table; where the report cannot be written (a full disk)
+    the table is still printed, then the error names the folder: the run's results are not lost with the files."""
+    from .report import ReportNotWritten
+
+    try:
+        lines = write()
+    except ReportNotWritten as exc:
+        for line in exc.lines:
+            click.echo(line)
+        raise
+    for line in lines:
+        click.echo(line)
 
 
 def _model(model: str | None) -> Path:
@@ -300,8 +316,7 @@ def eval_ppl(
             n_threads=threads,
         )
     settings = schedule | {"prefix": prefix, "layer_budgets": list(layouts)}  # which results.json keeps
-    for line in write_ppl_report(out, results, path, text_file, len(ids), step, settings):
-        click.echo(line)
+    _print_report(lambda: write_ppl_report(out, results, path, text_file, len(ids), step, settings))
 
 
 @eval_group.command("needle")
@@ -374,8 +389,7 @@ def eval_needle(
         except ValueError as exc:
             raise AhakvError(str(exc)) from None
     settings = dict(lengths=lens, depths=deps, budgets=cells, policies=names, trials=trials, seed=seed, **schedule)
-    for line in write_needle_report(out, trials_, path, filler_file, settings):
-        click.echo(line)
+    _print_report(lambda: write_needle_report(out, trials_, path, filler_file, settings))
 
 
 def _say_unguided(names: list[str], readings: list[str]) -> None:
@@ -491,8 +505,7 @@ def eval_longdoc(
                     trials=trials, seed=seed, sinks=sinks, recent=recent, layer_budgets=layouts,
                     filler_files=files, threads=threads)  # fmt: skip
     filler = files[0] + (f" (then {len(files) - 1} more texts as a length needs)" if len(files) > 1 else "")
-    for line in write_longdoc_report(out, results, path, filler, settings):
-        click.echo(line)
+    _print_report(lambda: write_longdoc_report(out, results, path, filler, settings))
 
 
 @click.group("bench")
@@ -677,5 +690,4 @@ def bench_speed(
         )
         for bar in bars.values():
             bar.close()
-    for line in write_speed_report(out, app, core, long_rows, path, files, settings):
-        click.echo(line)
+    _print_report(lambda: write_speed_report(out, app, core, long_rows, path, files, settings))

@@ -8,6 +8,7 @@ import io
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -86,10 +87,12 @@ def check_outputs(out: Path, figure: str | None = None, inputs: tuple[str, ...] 
             raise AhakvError(f"{given} is an input of this run and a file its report writes: give another --out")
     if _report_config(out) is None:
         theirs = [name for name in names if (out / name).exists()]
-        if theirs:
-            raise AhakvError(
-                f"{out / theirs[0]} was not written by a report of ahakv-local: not replaced (give another --out)"
-            )
+    else:  # a report of ours: its tables, and the figure it wrote (a user's long_run.png beside it was replaced)
+        theirs = [figure] if figure and (out / figure).exists() and figure not in _figures_before(out) else []
+    if theirs:
+        raise AhakvError(
+            f"{out / theirs[0]} was not written by a report of ahakv-local: not replaced (give another --out)"
+        )
 
 
 def _figures_before(out: Path) -> tuple[str, ...]:
@@ -105,26 +108,48 @@ def _figures_before(out: Path) -> tuple[str, ...]:
     return (named,) if named in FIGURES else ()
 
 
+class ReportNotWritten(AhakvError):
+    """A run's report that could not be written (a full disk, a folder gone); ``lines``: its Markdown table, which the
+    command still prints, so that a finished run is not lost with its files."""
+
+    def __init__(self, message: str, lines: list[str]):
+        super().__init__(message)
+        self.lines = lines
+
+
 def _write(
-    out: Path, meta: dict, rows: list[dict], fields: list[str], lines: list[str], figure: str | None = None
+    out: Path,
+    meta: dict,
+    rows: list[dict],
+    fields: list[str],
+    lines: list[str],
+    figure: str | None = None,
+    draw: Callable[[Path], object] | None = None,
 ) -> None:
-    """results.json/.csv/.md under ``out``, and no figure but this run's (``figure``, written by the caller): a run
-    into the folder of another command removes the figure that command's report wrote there (it described results
-    no longer there), and nothing else."""
-    out.mkdir(parents=True, exist_ok=True)
-    for before in _figures_before(out):
-        if before != figure:
-            (out / before).unlink(missing_ok=True)
-    meta = meta | {"figure": figure}
-    # each file whole or as it was (``atomic``): a run that failed on a full disk had emptied the last run's report,
-    # and a link left in the folder was written through (a user's file overwritten with the CSV)
-    write_text(out / "results.json", json.dumps({"config": meta, "results": rows}, indent=1))
-    table = io.StringIO(newline="")
-    writer = csv.DictWriter(table, fieldnames=fields, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(rows)
-    write_text(out / "results.csv", table.getvalue())
-    write_text(out / "results.md", "\n".join(lines) + "\n")
+    """results.json/.csv/.md under ``out``, and no figure but this run's (``figure``, which ``draw`` makes at the
+    path it is given): a run into the folder of another command removes the figure that command's report wrote there
+    (it described results no longer there), and nothing else. A file that cannot be written is a ReportNotWritten
+    naming it (the run had ended in "cannot write: No space left on device", its table unprinted)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for before in _figures_before(out):
+            if before != figure:
+                (out / before).unlink(missing_ok=True)
+        if figure and draw:
+            draw(out / figure)
+        meta = meta | {"figure": figure}
+        # each file whole or as it was (``atomic``): a run that failed on a full disk had emptied the last run's
+        # report, and a link left in the folder was written through (a user's file overwritten with the CSV)
+        write_text(out / "results.json", json.dumps({"config": meta, "results": rows}, indent=1))
+        table = io.StringIO(newline="")
+        writer = csv.DictWriter(table, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+        write_text(out / "results.csv", table.getvalue())
+        write_text(out / "results.md", "\n".join(lines) + "\n")
+    except OSError as exc:
+        where = exc.filename or out
+        raise ReportNotWritten(f"cannot write the report to {where}: {exc.strerror or exc}", lines) from None
 
 
 def write_ppl_report(
@@ -155,8 +180,6 @@ def write_ppl_report(
             f"| {name} | {r.budget} | {r.budget.compression(tokens):.1f}x | {r.ppl:.3f} | "
             f"{100 * (r.ppl / full - 1):+.1f}% | {r.kl:.4f} | {r.top1:.3f} | {r.kv_bytes / 2**20:.2f} |"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    plot_ppl(results, tokens, out / "ppl_vs_budget.png", f"{model.name}: {Path(text).name}, {tokens} tokens")
     fields = [
         "label",
         "policy",
@@ -170,7 +193,8 @@ def write_ppl_report(
         "seconds",
         "evict_every",
     ]
-    _write(out, meta, rows, fields, lines, "ppl_vs_budget.png")
+    title = f"{model.name}: {Path(text).name}, {tokens} tokens"
+    _write(out, meta, rows, fields, lines, "ppl_vs_budget.png", lambda path: plot_ppl(results, tokens, path, title))
     return lines
 
 
@@ -207,9 +231,9 @@ def write_longdoc_report(
         "label", "policy", "budget", "reading", "task", "length", "depth", "trial", "expected", "answer", "score",
         "solved", "peak_cells", "prompt_seconds", "layer_budgets",
     ]  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
-    plot_longdoc(trials, out / "accuracy.png", f"{model.name}: long documents, mean score")
-    _write(out, meta, [asdict(t) | {"budget": str(t.budget)} for t in trials], fields, lines, "accuracy.png")
+    rows = [asdict(t) | {"budget": str(t.budget)} for t in trials]
+    title = f"{model.name}: long documents, mean score"
+    _write(out, meta, rows, fields, lines, "accuracy.png", lambda path: plot_longdoc(trials, path, title))
     return lines
 
 
@@ -266,8 +290,9 @@ def write_speed_report(
             f"{r.kv_bytes_allocated / 2**20:.1f} |"
             for r in long
         ]
-        out.mkdir(parents=True, exist_ok=True)
-        plot_long_run(long, out / "long_run.png", f"{model.name}: full cache vs {long[0].label}")
     fields = sorted({k for r in rows for k in r if k != "decode_runs"}, key=lambda k: (k != "table", k))
-    _write(out, meta, rows, fields, lines, "long_run.png" if long else None)
+    title = f"{model.name}: full cache vs {long[0].label}" if long else ""
+    _write(
+        out, meta, rows, fields, lines, "long_run.png" if long else None, lambda path: plot_long_run(long, path, title)
+    )
     return lines

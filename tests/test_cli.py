@@ -1104,6 +1104,42 @@ def test_a_report_never_replaces_what_it_did_not_write_and_never_fails_after_its
     assert_one_line_error(
         ahakv(*ppl, "--text", str(done / "results.md"), "--out", str(done)), r"error: .*is an input of this run"
     )
+    # a figure of another command's name beside it is the user's: that report never wrote it (replaced before)
+    (done / "accuracy.png").write_text(text)
+    longdoc = ["eval", "longdoc", str(fixture_model), "-t", "1", "--lengths", "300", "--depths", "0.5"]
+    assert_one_line_error(
+        ahakv(*longdoc, "--tasks", "single", "--policies", "h2o", "--reading", "plain", "--out", str(done)),
+        r"error: .*accuracy\.png was not written by a report of ahakv-local: not replaced",
+    )
+    assert (done / "accuracy.png").read_text() == text
+
+
+def test_a_report_that_cannot_be_written_still_prints_its_table(fixture_model, tmp_path, monkeypatch):
+    """A full disk at the end of a run: it ended in "cannot write: No space left on device", naming no file, with the
+    table unprinted, and the whole run was lost."""
+    import errno
+
+    from click.testing import CliRunner
+
+    from ahakv_local import report
+    from ahakv_local.cli import main
+
+    written = report.write_text
+
+    def full_disk(path, text):
+        if path.name == "results.csv":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written(path, text)
+
+    monkeypatch.setattr(report, "write_text", full_disk)
+    out = tmp_path / "out"
+    args = ["eval", "ppl", str(fixture_model), "-t", "1", "--tokens", "96", "--prefix", "16", "--budgets", "48"]
+    said = CliRunner().invoke(main, [*args, "--policies", "h2o", "--recent", "8", "--out", str(out)])
+    assert said.exit_code == 1, said.output
+    lines = said.output.splitlines()
+    assert lines[-1] == f"error: cannot write the report to {out}: No space left on device"
+    table = [line for line in lines if line.startswith("| ")]
+    assert table[0].startswith("| configuration |") and [t.split(" | ")[0] for t in table[1:]] == ["| full", "| h2o"]
 
 
 def test_the_measuring_commands_refuse_in_one_line_what_they_found_wrong_before_or_after_a_note(

@@ -375,7 +375,7 @@ def test_a_report_replaces_its_files_whole_and_never_writes_through_a_link(tmp_p
     folder is replaced, not written through (a user's notes were overwritten with the CSV), and a run that fails
     while writing (a full disk) leaves the last run's files whole and no temporary one (the CSV was emptied)."""
     from ahakv_local import atomic
-    from ahakv_local.report import _write
+    from ahakv_local.report import ReportNotWritten, _write
 
     out = tmp_path / "report"
     _write(out, {"patch_sha256": "x"}, [{"label": "a"}], ["label"], ["# first"])
@@ -396,8 +396,9 @@ def test_a_report_replaces_its_files_whole_and_never_writes_through_a_link(tmp_p
             f.write(text.encode()[3:])
 
     monkeypatch.setattr("ahakv_local.report.write_text", full_disk)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(ReportNotWritten, match=f"^cannot write the report to {out}: No space left") as refused:
         _write(out, {"patch_sha256": "x"}, [{"label": "c"}], ["label"], ["# third"])
+    assert refused.value.lines == ["# third"]  # what the command prints instead
     after = {p.name: p.read_bytes() for p in out.iterdir()}
     assert set(after) == set(before)  # no temporary file left
     assert after["results.csv"] == before["results.csv"] and after["results.md"] == before["results.md"]
