@@ -135,7 +135,12 @@ def _last_value(cmake_args: tuple[str, ...], name: str) -> str | None:
 def _is_on(cmake_args: tuple[str, ...], name: str, default: bool) -> bool:
     """Whether -D<name> is on as CMake reads a boolean (``default`` where it is not given)."""
     value = _last_value(cmake_args, name)
-    return default if value is None else value.upper() in ("ON", "1", "TRUE", "YES", "Y")
+    if value is None:
+        return default
+    try:  # a number is true where it is not zero (CMake's if(<constant>)): GGML_NATIVE=2 is a native build
+        return float(value) != 0
+    except ValueError:
+        return value.upper() in ("ON", "TRUE", "YES", "Y")
 
 
 # the CPU features a native x86 build's -march=native turns into compiled code (ggml's own checks and the compiler's)
@@ -247,9 +252,13 @@ def plan(
         args.append("-DGGML_RPC=ON")
     for where, text in (("$CMAKE_ARGS", os.environ.get("CMAKE_ARGS", "")), ("--cmake-args", cmake_args)):
         try:
-            args += shlex.split(text)
+            given = shlex.split(text)
         except ValueError as exc:  # "No closing quotation", "No escaped character"
             raise AhakvError(f"{where} {text!r}: {str(exc).lower()}") from None
+        # (CMake takes GGML_CUDA=ON for a source path and ignores it: a CPU engine was built and cached for the flag)
+        if bare := next((arg for arg in given if BARE_DEFINITION.match(arg)), None):
+            raise AhakvError(f"{where}: {bare!r} is not a CMake option: -D{bare} sets a variable")
+        args += given
     if leaves_out_amx():
         args += _keep_amx_out(tuple(args))
     if _last_value(tuple(args), "CMAKE_INSTALL_PREFIX") is not None:  # (scikit-build-core drops it: the wheel's)
@@ -258,6 +267,9 @@ def plan(
     if not patches:
         raise AhakvError(f"no patches found in {patch_dir()}")
     return BuildPlan(tuple(args), patches)
+
+
+BARE_DEFINITION = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(:[A-Za-z]+)?=")  # GGML_CUDA=ON, without its -D
 
 
 def _keep_amx_out(args: tuple[str, ...]) -> list[str]:
@@ -308,8 +320,7 @@ def run(cmd: list[str], cwd: Path | None = None, env: dict | None = None, log_fi
         out.seek(0)
         lines = out.read().strip().splitlines()
     where = f" (full log: {log_file})" if log_file else ""
-    first = next((ln.strip() for ln in lines if FIRST_ERROR.search(ln)), None)
-    cause = f": {first}" if first else ""
+    cause = f": {first}" if (first := first_error(lines)) else ""
     tail = "\n".join(lines[-15:])
     raise AhakvError(f"{' '.join(cmd[:4])} ... failed{cause}{where}:\n{tail}")
 
@@ -317,6 +328,21 @@ def run(cmd: list[str], cwd: Path | None = None, env: dict | None = None, log_fi
 # the line that says why a build failed, above pip's and CMake's summaries at its end: "CMake Error at ...",
 # a compiler's "file.c:1:2: error: ...", pip's "ERROR: ..."
 FIRST_ERROR = re.compile(r"CMake Error|(^|\s|:)(fatal )?error:|^ERROR:", re.IGNORECASE)
+
+
+def first_error(lines: list[str]) -> str | None:
+    """The first error of a failed build's output, in one line: CMake's "CMake Error at FILE:LINE (command):" with
+    the indented lines below it, which say what went wrong (the header alone named no cause)."""
+    at = next((i for i, line in enumerate(lines) if FIRST_ERROR.search(line)), None)
+    if at is None:
+        return None
+    said = [lines[at].strip()]
+    if "CMake Error" in lines[at]:
+        for line in lines[at + 1 :]:
+            if line.strip() and not line.startswith((" ", "\t")):
+                break
+            said.append(line.strip())
+    return " ".join(filter(None, said))
 
 
 @contextlib.contextmanager
@@ -469,6 +495,13 @@ def library_digest(pkg: Path) -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in libs)).hexdigest() if libs else ""
 
 
+def wheel_library_digest(wheel: Path) -> str:
+    """``library_digest`` of the package a wheel installs, read from the wheel."""
+    with zipfile.ZipFile(wheel) as z:
+        names = sorted(n for n in z.namelist() if n.startswith("llama_cpp/lib/") and "llama" in n.rsplit("/", 1)[1])
+        return hashlib.sha256(b"".join(z.read(n) for n in names)).hexdigest() if names else ""
+
+
 def installed_marker() -> dict | None:
     """The marker of the engine installed in this environment, if ahakv-local built it and its library is still the
     one it installed (another pip install of llama-cpp-python replaces it); None otherwise."""
@@ -502,6 +535,13 @@ def patch_hash_of(marker: dict | None) -> str | None:
 def install(wheel: Path, bp: BuildPlan) -> None:
     run([sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall", "--no-cache-dir", str(wheel)])
     pkg = installed_package()
+    if pkg is None or library_digest(pkg) != wheel_library_digest(wheel):
+        # (pip's target= or $PIP_TARGET: the marker went on the old engine, and `build --rpc` said "up to date"
+        # to an engine without RPC, whose commands then asked for `build --rpc`)
+        raise AhakvError(
+            f"pip installed {wheel.name} elsewhere than where this Python imports llama_cpp from "
+            f"({pkg or 'nowhere'}): unset PIP_TARGET (or pip.conf's target) and build again"
+        )
     marker = {
         "key": bp.key,
         "cmake_args": bp.cmake_args,
@@ -588,12 +628,15 @@ def _install_cached(bp: BuildPlan, superset: BuildPlan | None) -> str | None:
 
 
 def wheel_is_sound(wheel: Path) -> bool:
-    """Whether a wheel reads whole: a zip whose every member matches its CRC."""
+    """Whether a wheel reads whole and is one: a zip whose every member matches its CRC, with the metadata pip
+    installs it by (a zip without it was refused by pip at every build, and never replaced)."""
     try:
         with zipfile.ZipFile(wheel) as z:
-            return z.testzip() is None
+            names = z.namelist()
+            whole = z.testzip() is None
     except (OSError, zipfile.BadZipFile, EOFError):
         return False
+    return whole and {"WHEEL", "RECORD"} <= {name.split("/", 1)[1] for name in names if ".dist-info/" in name}
 
 
 @contextlib.contextmanager

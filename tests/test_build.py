@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import re
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -270,6 +272,11 @@ def test_patches_apply_inside_another_git_repository(tmp_path):
             ["--cmake-args", "-DCMAKE_INSTALL_PREFIX=/opt/x"],
             "-DCMAKE_INSTALL_PREFIX cannot be set: the engine is installed as a wheel into this Python",
         ),
+        # CMake took it for a source path, ignored it, and a CPU engine was cached and installed for the flag
+        (
+            ["--cmake-args", "-DGGML_NATIVE=OFF GGML_CUDA=ON"],
+            "--cmake-args: 'GGML_CUDA=ON' is not a CMake option: -DGGML_CUDA=ON sets a variable",
+        ),
     ],
 )
 def test_a_bad_build_request_is_one_line_before_anything_is_fetched(args, message, monkeypatch):
@@ -365,6 +372,58 @@ def test_a_failed_command_names_its_first_error_and_its_log_fills_as_it_runs(tmp
     build.run([sys.executable, "-c", "print('fine')"])  # a command that succeeds raises nothing, without a log too
 
 
+def test_a_cmake_error_says_its_cause_not_only_where_it_is():
+    """CMake writes "CMake Error at FILE:LINE (command):" and its message on the indented lines below: the error
+    showed the header alone, and the cause was in the log only."""
+    log = [
+        "-- Configuring incomplete, errors occurred!",
+        "CMake Error at CMakeLists.txt:3 (project):",
+        "  The CMAKE_C_COMPILER:",
+        "",
+        "    /nonexistent/cc",
+        "",
+        "  is not a full path to an existing compiler tool.",
+        "",
+        "",
+        "*** CMake configuration failed",
+        "ERROR: Failed to build one or more wheels",
+    ]
+    assert build.first_error(log) == (
+        "CMake Error at CMakeLists.txt:3 (project): The CMAKE_C_COMPILER: /nonexistent/cc is not a full path to an "
+        "existing compiler tool."
+    )
+    compiler = ["In file included from ggml.c:1:", "ggml.c:5:3: error: expected identifier", "  5 | x"]
+    assert build.first_error(compiler) == "ggml.c:5:3: error: expected identifier"
+    assert build.first_error(["-- all good"]) is None
+
+
+def test_cmake_booleans_are_read_as_cmake_reads_them():
+    """A number is true where it is not zero: -DGGML_NATIVE=2 is a native build, whose cache key must name the CPU
+    (it was read as off: a -march=native wheel keyed for any machine)."""
+    for value, on in [("ON", True), ("y", True), ("2", True), ("0.5", True), ("0", False), ("OFF", False),
+                      ("NO", False), ("", False), ("0.0", False)]:  # fmt: skip
+        assert build._is_on((f"-DGGML_NATIVE={value}",), "GGML_NATIVE", not on) is on, value
+    assert build.host_fingerprint(("-DGGML_NATIVE=2",)) == build.host_fingerprint(("-DGGML_NATIVE=ON",))
+
+
+def test_a_wheel_pip_installed_elsewhere_is_not_marked_as_installed(tmp_path, monkeypatch):
+    """With pip's target elsewhere ($PIP_TARGET), the marker went on the engine this Python imports, an older one:
+    `build --rpc` then said "up to date" for an engine without RPC, whose commands asked for `build --rpc`."""
+    wheel = _valid_wheel(tmp_path / "wheels" / f"{build.SDIST_NAME}-{build.SDIST_VERSION}-py3-none-any.whl")
+    pkg = tmp_path / "site" / "llama_cpp"
+    (pkg / "lib").mkdir(parents=True)
+    (pkg / "lib" / "libllama.so").write_text("an older library")
+    monkeypatch.setattr(build, "run", lambda cmd, **kw: None)  # pip "installed" it, not where llama_cpp is found
+    monkeypatch.setattr(build, "installed_package", lambda: pkg)
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    with pytest.raises(AhakvError, match=rf"^pip installed {wheel.name} elsewhere than where this Python imports"):
+        build.install(wheel, build.plan())
+    assert not (pkg / build.MARKER).exists()
+    (pkg / "lib" / "libllama.so").write_text("the library")  # the wheel's: pip installed it here
+    build.install(wheel, build.plan())
+    assert json.loads((pkg / build.MARKER).read_text())["key"] == build.plan().key
+
+
 def test_a_terminated_build_stops_the_compile_it_started(tmp_path):
     """SIGTERM ended ahakv-local and left pip -> cmake -> ninja running, orphaned, writing into the cache."""
     import signal
@@ -395,11 +454,13 @@ def test_a_terminated_build_stops_the_compile_it_started(tmp_path):
 
 
 def _valid_wheel(path):
-    import zipfile
-
     path.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("llama_cpp/__init__.py", "")
+        z.writestr("llama_cpp/lib/libllama.so", "the library")
+        dist = f"{build.SDIST_NAME}-{build.SDIST_VERSION}.dist-info"
+        z.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\n")
+        z.writestr(f"{dist}/RECORD", "")
     return path
 
 
@@ -423,6 +484,12 @@ def test_a_damaged_cached_wheel_is_built_again_and_a_cached_rpc_wheel_serves_a_p
     damaged = tmp_path / "wheels" / build.plan().key / wheel_name
     damaged.parent.mkdir(parents=True)
     damaged.write_bytes(b"PK\x03\x04 cut short")
+    with pytest.raises(Compiling):
+        build.ensure_engine()
+    assert not damaged.exists() and not installed
+    # a whole zip that is no wheel (pip: ".dist-info directory not found", at every build) is built again too
+    with zipfile.ZipFile(damaged, "w") as z:
+        z.writestr("junk.txt", "x")
     with pytest.raises(Compiling):
         build.ensure_engine()
     assert not damaged.exists() and not installed
