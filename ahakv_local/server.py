@@ -211,11 +211,34 @@ class TextPart(BaseModel):
 
 class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None: an assistant's turn that called a tool (OpenAI's history)
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _no_tools(cls, role):
+        if role in ("tool", "function"):  # (pydantic's "Input should be 'system', ..." said nothing of why)
+            raise ValueError(f"messages of role '{role}' are not supported: this server calls no tools")
+        return role
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content):
+        parts = content if isinstance(content, list) else []
+        if kind := next((p.get("type") for p in parts if isinstance(p, dict) and p.get("type") != "text"), None):
+            # (pydantic gave three errors, one for each form the content could have had)
+            raise ValueError(f"content parts of type {kind!r} are not supported: this server reads text only")
+        return content
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs its content")
+        return self
 
     def as_dict(self) -> dict[str, str]:
         """The plain form every chat template reads (parts joined; 'developer' is OpenAI's new 'system')."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        content = self.content or ""
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 

@@ -194,6 +194,27 @@ def test_an_unknown_kv_field_is_refused_by_name(fixture_model, parallel):
         assert status == 200, out
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["one at a time", "parallel"])
+def test_openai_message_shapes_are_taken_or_refused_in_one_line(fixture_model, parallel):
+    """An assistant turn with content null (OpenAI's history of a tool call; llama-cpp-python's server takes it) was a
+    400 of three pydantic errors, and so were a tool message and an image part, naming nothing of why."""
+    with served(fixture_model, parallel) as base:
+        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
+        for turn in (history[1], {"role": "assistant"}):
+            body = {"messages": [history[0], turn, {"role": "user", "content": "go on"}], "max_tokens": 2}
+            status, out = call(base, "/v1/chat/completions", body)
+            assert status == 200, out
+        refused = [
+            ({"role": "tool", "content": "42", "tool_call_id": "a"}, "messages.1.role: messages of role 'tool' are"),
+            ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+             "messages.1.content: content parts of type 'image_url' are not supported: this server reads text only"),
+            ({"role": "user", "content": None}, "messages.1: a user message needs its content"),
+        ]  # fmt: skip
+        for turn, message in refused:
+            status, out = call(base, "/v1/chat/completions", {"messages": [history[0], turn], "max_tokens": 2})
+            assert status == 400 and out["error"]["message"].startswith(message), out
+
+
 def test_a_request_without_max_tokens_gets_llama_cpp_python_s_defaults(fixture_model):
     """A completion 16 tokens, a chat's answer up to the server's limit (llama-cpp-python's server and OpenAI's
     defaults; both were 256). Greedy continuations of the fixture end at no end-of-generation token here."""
