@@ -119,6 +119,13 @@ class SequencePool:
 
     def check(self, budget: Budget | None, policy: str | None) -> tuple[Budget, Policy]:
         """A request's budget and policy (None: the pool's), checked together; raises AhakvError."""
+        budget, chosen = self.check_asked(budget, policy)
+        self.controllers[0].check_budget(budget, chosen)
+        return budget, chosen
+
+    def check_asked(self, budget: Budget | None, policy: str | None) -> tuple[Budget, Policy]:
+        """``check``'s part that reads the server's settings alone, not a controller (which the scheduler's thread
+        owns): a request's thread refuses with it before the request waits for a slot."""
         budget = budget or self.spec.budget
         if budget.mode != "cells" or budget.value > self.spec.budget.value:
             raise AhakvError(
@@ -130,8 +137,15 @@ class SequencePool:
             raise AhakvError(
                 f"kv_policy {chosen.name} keeps every token: with several sequences each holds at most its budget"
             )
-        self.controllers[0].check_budget(budget, chosen)
         return budget, chosen
+
+    def check_prompt(self, prompt: Sequence[int]) -> None:
+        if not prompt:
+            raise AhakvError("the prompt is empty")
+        if len(prompt) + 1 > self.engine.n_ctx_train:
+            raise AhakvError(
+                f"the prompt has {len(prompt)} tokens, past the model's trained context of {self.engine.n_ctx_train}"
+            )
 
     def start(self, gen: Generation) -> int:
         """Read ``gen``'s prompt into a free slot (from a fresh policy) and pick its first token; returns the
@@ -140,10 +154,7 @@ class SequencePool:
         seq = self.free()[0]
         ctl = self.controllers[seq]
         budget, policy = self.check(gen.budget, gen.policy)
-        if not gen.prompt:
-            raise AhakvError("the prompt is empty")
-        if len(gen.prompt) + 1 > self.engine.n_ctx_train:
-            raise AhakvError(f"the prompt has {len(gen.prompt)} tokens, past the model's {self.engine.n_ctx_train}")
+        self.check_prompt(gen.prompt)
         ctl.configure(budget, policy)
         ctl.truncate(0)
         if not self.active:  # alone in the context (every finished slot's cells are gone: _drop): from its first cell

@@ -40,6 +40,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import uvicorn
@@ -510,6 +511,10 @@ class SerialRunner:
         self.current: Job | None = None
         self.since = 0.0  # when the current job took the lock
         self.stats = llm.kv_stats().as_dict()  # figures at the end of the last job
+        # the server's own settings, which a request's kv_ fields are checked against while another holds the model
+        kv = llm.kv_controller
+        self.budget, self.policy = (kv.config.budget, kv.policy) if kv is not None else (None, None)
+        self.room = (kv.config.room, kv.engine.config.n_ubatch) if kv is not None else (0, 0)
         # every job's model work runs in this one long-lived thread: glibc gives threads malloc arenas of their own, and
         # requests run each in a new thread left more memory resident than in one thread (benchmarks/RESULTS.md)
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ahakv-model")
@@ -534,6 +539,12 @@ class SerialRunner:
             def call(**kw):
                 return llm.create_completion(payload, **kw)
 
+        # the request's own mistakes are answered now, in its own thread: they waited for the model (15 s behind a
+        # long answer), and a prompt of megabytes was tokenized holding it (50 s for 20 MB, every request waiting)
+        try:
+            await asyncio.to_thread(self._check, req, kind, payload)
+        except (AhakvError, ValueError) as exc:
+            return error(400, str(exc))
         if not self.slots.acquire(blocking=False):
             return error(503, "the server is busy: too many requests are waiting")
         job = Job(self.shutdown)
@@ -543,6 +554,23 @@ class SerialRunner:
             self.slots.release()
             return error(503, "the server is busy")
         return await respond(job, request)
+
+    def _check(self, req: KVFields, kind: str, payload) -> None:
+        """What a request can be refused for without the model: its kv_ fields against the server's settings
+        (``settings`` checks the budget against the caches again, holding the model), and a prompt whose text alone
+        is past the trained context (its template only adds to it)."""
+        if req.kv_policy is not None:
+            make_policy(req.kv_policy)
+        if (req.kv_budget is not None or req.kv_policy is not None) and self.budget is None:
+            raise AhakvError("this server runs without a KV budget: kv_budget and kv_policy are not available")
+        if req.kv_budget is not None:
+            self.budget.parsed(req.kv_budget)
+        asked = make_policy(req.kv_policy) if req.kv_policy is not None else self.policy
+        check_request_query(req.kv_query, asked, *self.room)
+        texts = [m["content"] for m in payload] if kind == "chat" else [payload]
+        n = sum(len(self.llm.tokenize(t.encode(), add_bos=False, special=True)) for t in texts)
+        if n + 1 > (trained := self.llm.kv_engine.n_ctx_train):
+            raise AhakvError(f"the prompt has {n} tokens or more, past the model's trained context of {trained}")
 
     def _work(self, job: Job, req: KVFields, call) -> None:
         """The request's thread: the lock's whole life (it waits for the model, and stops waiting for a client that
@@ -652,6 +680,17 @@ class SerialRunner:
         return self.stats
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A --parallel request as its own thread prepared it (``ParallelRunner._prepare``)."""
+
+    kind: str  # "chat" or "completion"
+    tokens: list[int]
+    sampling: Sampling
+    read_with: object  # the prompt's guide (``session.guide_of``)
+    budget: Budget | None
+
+
 class ParallelRunner:
     """``--parallel N``: a scheduler thread owns the context's sequence slots (``SequencePool``). A request
     waits for a free slot (503 past ``busy_timeout`` or with ``max_waiting`` others waiting), has its prompt
@@ -676,8 +715,15 @@ class ParallelRunner:
             self._thread.start()
 
     async def submit(self, request: Request, req: KVFields, kind: str, payload) -> Response:
+        # the request's own mistakes are answered now, in its own thread, with its prompt tokenized there: they waited
+        # for a free slot (45 s behind two long answers), and a prompt of megabytes was tokenized by the scheduler,
+        # every running stream stalled for as long (24 s for 8 MB)
+        try:
+            prepared = await asyncio.to_thread(self._prepare, req, kind, payload)
+        except (AhakvError, ValueError) as exc:
+            return error(400, str(exc))
         job = Job(self.shutdown)
-        job.req, job.kind, job.payload, job.since = req, kind, payload, time.monotonic()
+        job.req, job.prepared, job.since = req, prepared, time.monotonic()
         with self.cond:
             # clients that left count for nothing: the scheduler prunes them between steps, but not while it reads a
             # prompt (seconds), when 32 who had gone made every new request a 503
@@ -722,49 +768,50 @@ class ParallelRunner:
             return "the server is shutting down"
         return f"the server is busy: every sequence slot has been taken for {time.monotonic() - job.since:.0f} s"
 
+    def _prepare(self, req: KVFields, kind: str, payload) -> Prepared:
+        """What a request starts from, checked as far as the server's settings say (``SequencePool.check_asked``): its
+        prompt's tokens, sampling, reading and budget. Runs in the request's thread; raises AhakvError or ValueError."""
+        if req.response_json is not None:
+            raise AhakvError(
+                f"response_format {req.response_format.type} is not supported with --parallel: its sampler has no "
+                "grammar (the one-at-a-time server has)"
+            )
+        kw = sampling_of(req, self.max_tokens_limit)
+        for name, default in PARALLEL_SAMPLES_NOT.items():
+            if kw[name] != default:
+                raise AhakvError(
+                    f"{name}={kw[name]} is not supported with --parallel (the one-at-a-time server takes it)"
+                )
+        budget = Budget.parse(req.kv_budget) if req.kv_budget is not None else None
+        chunk = self.pool.engine.config.n_ubatch
+        check_request_query(
+            req.kv_query, self.pool.check_asked(budget, req.kv_policy)[1], self.pool.spec.room(chunk), chunk
+        )
+        tokens, chat_stop, read_with = prompt_of(self.pool.engine, kind, payload, req.kv_query, self.default_query)
+        self.pool.check_prompt(tokens)
+        sampling = Sampling(
+            max_tokens=kw["max_tokens"],
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=kw.get("seed"),
+            stop=tuple(kw["stop"]) + tuple(chat_stop),
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            top_k=req.top_k,
+            min_p=req.min_p,
+        )
+        return Prepared(kind, tokens, sampling, read_with, budget)
+
     def _start(self, job: Job) -> None:
         if job.stopped():
             job.post("error", (503, self._busy_message(job)))
             return
-        req = job.req
+        req, p = job.req, job.prepared
         try:
-            if req.response_json is not None:
-                raise AhakvError(
-                    f"response_format {req.response_format.type} is not supported with --parallel: its sampler has no "
-                    "grammar (the one-at-a-time server has)"
-                )
-            kw = sampling_of(req, self.max_tokens_limit)
-            for name, default in PARALLEL_SAMPLES_NOT.items():
-                if kw[name] != default:
-                    raise AhakvError(
-                        f"{name}={kw[name]} is not supported with --parallel (the one-at-a-time server takes it)"
-                    )
-            stop = kw["stop"]
-            tokens, chat_stop, read_with = prompt_of(
-                self.pool.engine, job.kind, job.payload, req.kv_query, self.default_query
-            )
-            budget = None
-            if req.kv_budget is not None:
-                budget = Budget.parse(req.kv_budget)
-            chunk = self.pool.engine.config.n_ubatch
-            check_request_query(
-                req.kv_query, self.pool.check(budget, req.kv_policy)[1], self.pool.spec.room(chunk), chunk
-            )
-            sampling = Sampling(
-                max_tokens=kw["max_tokens"],
-                temperature=req.temperature,
-                top_p=req.top_p,
-                seed=kw.get("seed"),
-                stop=tuple(stop) + tuple(chat_stop),
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                top_k=req.top_k,
-                min_p=req.min_p,
-            )
-            reply = Reply(job, self.model_name, job.kind, len(tokens), req.stream, req.include_usage)
-            gen = Generation(tokens, sampling, reply.emit, job.stopped, budget, req.kv_policy, read_with)
+            reply = Reply(job, self.model_name, p.kind, len(p.tokens), req.stream, req.include_usage)
+            gen = Generation(p.tokens, p.sampling, reply.emit, job.stopped, p.budget, req.kv_policy, p.read_with)
             reply.gen = gen
-            self.pool.start(gen)
+            self.pool.start(gen)  # (checks the budget against the controllers again, in the thread that owns them)
         except (AhakvError, ValueError) as exc:
             job.post("error", (400, str(exc)))
         except Exception as exc:
@@ -865,6 +912,7 @@ def create_app(
 
     app = FastAPI(title="ahakv-local", version="1", lifespan=lifespan)
     app.state.shutdown = runner.shutdown
+    app.state.runner = runner  # (a test holds its model)
     # as llama-cpp-python's server: a browser app of another origin (a web chat UI on localhost:3000) may call it
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
 

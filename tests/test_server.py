@@ -601,9 +601,13 @@ class FakeLlama:
 
     kv_controller = None
     model_path = "fake"
+    kv_engine = type("Engine", (), {"n_ctx_train": 4096})
 
     def __init__(self):
         self.decoded = 0
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        return list(text)  # (a request's prompt is checked against the trained context before it waits)
 
     def kv_stats(self):
         return type("Stats", (), {"as_dict": lambda _: {"tokens_seen": self.decoded}})()

@@ -29,6 +29,13 @@ CHUNK = 16
 @contextlib.contextmanager
 def served(model, parallel: bool):
     """The fixture served in this process, one request at a time or in two sequence slots; its base URL."""
+    with served_app(model, parallel) as (base, _):
+        yield base
+
+
+@contextlib.contextmanager
+def served_app(model, parallel: bool):
+    """``served``'s server; (its base URL, its runner)."""
     with contextlib.ExitStack() as stack:
         if parallel:
             spec = SessionSpec.bounded("h2o", 48, n_recent=8, reading="plain")
@@ -37,16 +44,15 @@ def served(model, parallel: bool):
         else:
             llm = stack.enter_context(Llama(str(model), kv_budget=48, kv_policy="h2o", kv_recent=8, verbose=False))
         port = free_port()
-        server = uvicorn.Server(
-            uvicorn.Config(create_app(llm, "fixture"), host="127.0.0.1", port=port, log_level="error")
-        )
+        app = create_app(llm, "fixture")
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         deadline = time.monotonic() + 30
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.05)
         try:
-            yield f"http://127.0.0.1:{port}"
+            yield f"http://127.0.0.1:{port}", app.state.runner
         finally:
             server.should_exit = True
             thread.join(timeout=10)
@@ -213,6 +219,37 @@ def test_openai_message_shapes_are_taken_or_refused_in_one_line(fixture_model, p
         for turn, message in refused:
             status, out = call(base, "/v1/chat/completions", {"messages": [history[0], turn], "max_tokens": 2})
             assert status == 400 and out["error"]["message"].startswith(message), out
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["one at a time", "parallel"])
+def test_a_request_s_own_mistakes_are_refused_while_the_model_is_busy(fixture_model, parallel):
+    """A request sure to be refused waited for the model or a slot before its 400 (15 s behind a long answer one at a
+    time, 45 s behind two with --parallel; a 503 "busy" past the busy timeout), and a prompt of megabytes was
+    tokenized holding the model, or the scheduler, which stalled every running stream. Each is answered while the
+    model is held here (the one-at-a-time server's lock, the scheduler's condition)."""
+    with served_app(fixture_model, parallel) as (base, runner):
+        bad = [
+            ({"prompt": "x", "kv_policy": "nonexistent"}, "unknown policy 'nonexistent'"),
+            ({"prompt": "x", "kv_budget": "lots"}, "budget must be"),
+            ({"prompt": "a b " * 5000}, "past the model's trained context of 4096"),
+        ]
+        if parallel:
+            bad += [({"prompt": "x", "repeat_penalty": 1.3}, "repeat_penalty=1.3 is not supported with --parallel")]
+        held = runner.cond if parallel else contextlib.nullcontext()
+        if not parallel:
+            assert runner.lock.acquire(timeout=5)
+        try:
+            with held:
+                for body, message in bad:
+                    t0 = time.monotonic()
+                    status, out = call(base, "/v1/completions", body | {"max_tokens": 2}, timeout=30)
+                    assert status == 400 and message in out["error"]["message"], out
+                    assert time.monotonic() - t0 < 20  # (not waiting for the model: a tokenization's time at most)
+        finally:
+            if not parallel:
+                runner.lock.release()
+        status, out = call(base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 200, out
 
 
 def test_a_request_without_max_tokens_gets_llama_cpp_python_s_defaults(fixture_model):
