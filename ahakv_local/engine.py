@@ -452,6 +452,10 @@ class Engine:
         """An attached engine whose owner freed the model and context: ``stand_in`` answers every later call."""
         self._model = self._ctx = self._batch = stand_in
 
+    @property
+    def closed(self) -> bool:
+        return not self._ctx  # (a closed engine's stand-in is false; None: never opened)
+
     def __enter__(self) -> Engine:
         return self
 

@@ -290,7 +290,7 @@ class Llama(llama_cpp.Llama):
                 warnings.warn(
                     f"{', '.join(unused)} appl{'y' if unused[1:] else 'ies'} to a bounded KV cache: without "
                     "kv_budget every token is kept",
-                    stacklevel=2,
+                    stacklevel=3,  # the caller's line: reading_headers_once's wrapper is the frame between
                 )
             if kv_type not in (None, KV_TYPE_AUTO):  # "auto" spends a budget: without one, f16 as by default
                 self._use_kv_type(model_path, kv_type, kwargs)
@@ -401,6 +401,8 @@ class Llama(llama_cpp.Llama):
     def n_ctx(self) -> int:
         """Without a budget: the context size. With one: the model's trained context, the bound on
         positions (the KV cells stay at the budget; see ``kv_stats``)."""
+        if self._kv is not None and self._kv_engine.closed:  # (as without a budget: llama.cpp's n_ctx is gone)
+            raise ValueError("this Llama was closed: create a new one")
         return self._n_ctx if self._kv is not None else super().n_ctx()
 
     def set_cache(self, cache) -> None:
@@ -680,7 +682,7 @@ class Llama(llama_cpp.Llama):
     @one_call_at_a_time
     def reset(self):
         super().reset()
-        if self._kv is not None:
+        if self._kv is not None and not self._kv_engine.closed:  # (closed: a no-op, as upstream's without a budget)
             self._kv.truncate(0)
 
     @one_call_at_a_time

@@ -238,8 +238,11 @@ def test_a_prompt_past_the_trained_context_names_it(fixture_model):
 def test_settings_of_a_bounded_cache_without_a_budget_are_warned_of(fixture_model, recwarn):
     """kv_policy="h2o" without kv_budget kept every token without a word (the CLI refuses --policy without --budget);
     the drop-in warns, naming what does nothing, and stays quiet for what does something without a budget."""
-    with pytest.warns(UserWarning, match=r"^kv_policy, kv_sinks apply to a bounded KV cache: without kv_budget"):
+    with pytest.warns(
+        UserWarning, match=r"^kv_policy, kv_sinks apply to a bounded KV cache: without kv_budget"
+    ) as warned:
         Llama(str(fixture_model), kv_policy="h2o", kv_sinks=8, n_ctx=128, verbose=False).close()
+    assert [w.filename for w in warned] == [__file__]  # the caller's line (it named contextlib.py's)
     with pytest.warns(UserWarning, match=r"^kv_reuse_compressed, kv_query apply"):
         Llama(str(fixture_model), kv_reuse_compressed=True, kv_query=False, n_ctx=128, verbose=False).close()
     recwarn.clear()
@@ -460,6 +463,20 @@ def test_the_memory_check_counts_the_bytes_a_budget_allocates(gemma_model, monke
     monkeypatch.setattr(dropin, "available_memory", lambda: taken - 1)
     with pytest.raises(AhakvError, match=r"KV cells need .* GiB, more than the .* GiB of memory available"):
         Llama(str(gemma_model), **kw)
+
+
+@pytest.mark.parametrize("budget", [None, 64], ids=["full cache", "bounded"])
+def test_a_closed_llama_answers_alike_with_or_without_a_budget(fixture_model, budget):
+    """After close(), reset() raised with a budget (its controller's engine was gone) where upstream's is a no-op, and
+    n_ctx() answered with a budget where without one it raised: each now as without a budget."""
+    llm = Llama(str(fixture_model), n_ctx=256, kv_budget=budget, verbose=False)
+    llm("the quick brown fox", max_tokens=2, temperature=0)
+    llm.close()
+    llm.reset()
+    assert llm.n_tokens == 0
+    for call in (llm.n_ctx, lambda: llm("x", max_tokens=1), llm.save_state):
+        with pytest.raises(ValueError, match="^this Llama was closed: create a new one$"):
+            call()
 
 
 def test_a_llama_left_open_at_exit_prints_nothing():
