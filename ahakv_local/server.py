@@ -417,6 +417,18 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
 
 
+def cut_at_first_stop(out: dict, stop: list[str]) -> dict:
+    """A whole (not streamed) answer of llama-cpp-python cut where the first of its stop strings begins in the text.
+    Where one token brought two (" commas" for ["a", "c"]) llama-cpp-python cut at the first in the list's order
+    (" ... with comm"): the same request streamed, and --parallel, stop at the first in the text (" ... with ")."""
+    for choice in out.get("choices", []):
+        holder, key = (choice["message"], "content") if "message" in choice else (choice, "text")
+        text = holder.get(key)
+        if text and (cuts := [i for i in (text.find(s) for s in stop) if i >= 0]):
+            holder[key] = text[: min(cuts)]
+    return out
+
+
 # llama-cpp-python's sampling fields the --parallel sampler (parallel.Sampling) does not have, and their defaults
 PARALLEL_SAMPLES_NOT = {"typical_p": 1.0, "repeat_penalty": 1.0}
 
@@ -603,9 +615,10 @@ class SerialRunner:
     def _generate(self, job: Job, req: KVFields, call) -> None:
         try:
             with self.settings(req):
-                out = call(stream=req.stream, **self.sampling(req))
+                sampling = self.sampling(req)
+                out = call(stream=req.stream, **sampling)
                 if not req.stream:
-                    job.post("result", out)
+                    job.post("result", cut_at_first_stop(out, sampling["stop"]))
                     return
                 last = None
                 with contextlib.closing(out):  # closed here, in the thread that ran it

@@ -150,6 +150,16 @@ def client(server):
     return OpenAI(base_url=server + "/v1", api_key="not-needed", max_retries=0, timeout=120)
 
 
+def test_several_stop_strings_cut_where_the_first_begins_streamed_or_not(client):
+    """One token bringing two stop strings (" commas" for ["a", "c"]): the whole answer was cut at the first in the
+    list's order (" ... with comm"), the streamed one, and --parallel, at the first in the text (" ... with ")."""
+    ask = dict(model="local", messages=[{"role": "user", "content": "Count from 1 to 10 with commas"}])
+    ask |= dict(temperature=0, max_tokens=30, stop=["a", "b", "c", "d", "e"])
+    whole = client.chat.completions.create(**ask).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**ask, stream=True))
+    assert whole == streamed and not any(s in whole for s in ask["stop"]), (whole, streamed)
+
+
 def test_models(client):
     assert client.models.list().data[0].id == "gemma-3-270m-q4_k_m.gguf"
 
