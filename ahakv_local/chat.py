@@ -224,13 +224,28 @@ class ChatSession:
 
     def load(self, path: Path) -> str:
         """Restore a chat saved with /save; a file that is not one (or of another model) changes nothing."""
-        pin = []  # the loaded system prompt's span, checked before the cache is touched
-        messages, system = load_chat(path, self.llm, accept=lambda system: pin.append(self._system_span(system)))
+        kv = self.llm.kv_controller
+        before = kv.config.pinned if kv is not None else None
+
+        def accept(system: str | None) -> None:
+            # the loaded system prompt's span, checked before the cache is touched and pinned while the loaded cache
+            # is held to this chat's budget (pinned after it, its tokens were the oldest, the first evicted)
+            span = self._system_span(system)
+            if kv is not None:
+                kv.config.pinned = span
+
+        try:
+            messages, system, policy = load_chat(path, self.llm, accept=accept)
+        except BaseException:
+            if kv is not None:
+                kv.config.pinned = before
+            raise
         keep_transcript(self)  # the conversation it replaces, as on exit (it was lost when not /save'd first)
         self.messages, self.system = messages, system
-        if self.llm.kv_controller is not None:
-            self.llm.kv_controller.config.pinned = pin[0]
-        return f"loaded {len(messages)} messages, {self.llm.kv_stats().cells_used} cached tokens"
+        said = f"loaded {len(messages)} messages, {self.llm.kv_stats().cells_used} cached tokens"
+        if kv is not None and policy not in (None, kv.policy.name):  # (the file's policy was said nowhere)
+            said += f" (saved under {policy}: this chat goes on with {kv.policy.name}; /policy {policy} to switch)"
+        return said
 
     def read_document(self, path: Path, stop: Callable[[], bool] = lambda: False) -> str:
         """Put a document into the conversation now, before any question about it: it is read through the

@@ -29,6 +29,7 @@ from .atomic import replaced
 from .budget import LAYER_BUDGETS, Budget, as_option
 from .errors import AhakvError
 from .info import KV_CACHE_TYPES
+from .policies import POLICIES
 
 FORMAT = "ahakv-local chat"
 VERSION = 1
@@ -125,8 +126,9 @@ def save_chat(path: Path, llm, messages: list[dict], system: str | None) -> None
 
 def load_chat(
     path: Path, llm, accept: Callable[[str | None], None] = lambda system: None
-) -> tuple[list[dict], str | None]:
-    """Check a saved chat and restore its cache into ``llm``; returns (messages, system prompt). Every check runs
+) -> tuple[list[dict], str | None, str | None]:
+    """Check a saved chat and restore its cache into ``llm``; returns (messages, system prompt, the policy it ran
+    under where the file names one of ours). Every check runs
     before the cache is touched, ``accept(system)`` (the caller's, e.g. that the budget holds the system prompt)
     last; AhakvError says what is wrong in one line."""
     meta, blob = _read(path, max_state=max_state_bytes(llm))
@@ -162,7 +164,8 @@ def load_chat(
         raise
     except (ValueError, RuntimeError) as exc:  # llama-cpp-python's (RuntimeError: llama.cpp refused it, no budget)
         raise AhakvError(f"{path}: {exc}") from None
-    return messages, system
+    policy = meta.get("policy")  # (a name of ours only: a crafted file's text never reaches the loaded line)
+    return messages, system, policy if policy in POLICIES else None
 
 
 def _how_to_load(meta: dict, llm) -> str:

@@ -116,6 +116,34 @@ def test_save_and_load_work_after_the_model_file_moves(fixture_model, tmp_path):
         chat.llm.close()
 
 
+def test_a_loaded_system_prompt_is_pinned_while_its_cache_is_held_to_this_chat_s_budget(fixture_model, tmp_path):
+    """/load pinned the loaded system prompt after the loaded cache had been held to this chat's smaller budget:
+    its tokens, the oldest, were the first evicted. And the file's policy was said nowhere: the chat went on with its
+    own."""
+
+    def chat(system: str | None) -> ChatSession:
+        llm = Llama(str(fixture_model), kv_budget=128, kv_policy="streaming", kv_recent=8, n_batch=32, verbose=False)
+        return ChatSession(llm, system, max_tokens=12, temperature=0.0)
+
+    a = chat("Be careful and terse, always.")
+    for i in range(3):
+        talk(a, f"the cat sat {i}")
+    command(a, "/save", str(tmp_path / "pin.chat"))
+    pinned = a.llm.kv_controller.config.pinned
+    a.llm.close()
+    b = chat(None)
+    try:
+        command(b, "/budget", "64")
+        command(b, "/policy", "h2o")
+        said = command(b, "/load", str(tmp_path / "pin.chat"))
+        assert said.endswith("(saved under streaming: this chat goes on with h2o; /policy streaming to switch)")
+        kv = b.llm.kv_controller
+        assert kv.config.pinned == pinned and pinned[1] > kv.config.n_sink
+        assert set(range(*pinned)) <= set(kv.live.tolist())  # every token of the system prompt kept
+    finally:
+        b.llm.close()
+
+
 def test_foreign_and_damaged_files_change_nothing(chat, tmp_path, capfd):
     talk(chat, "hello")
     saved = tmp_path / "conv.chat"
