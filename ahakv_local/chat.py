@@ -279,10 +279,12 @@ class ChatSession:
         try:
             llm.eval(tokens[n:])
         except (AhakvError, ValueError, Stopped) as exc:
-            llm.reset()  # the history is read again with the next message; the conversation is unchanged
+            if llm.n_tokens != n:  # read in part (compressed for it): the history is read again with the next message
+                llm.reset()  # (a document refused before any of it was read left the cache as it was)
             if isinstance(exc, Stopped):
                 raise AhakvError(f"/read stopped: {name} was not added") from None
-            raise AhakvError(str(exc)) from None  # a document past the trained context is the user's, not a bug
+            # a document past the trained context is the user's, not a bug
+            raise AhakvError(str(exc) + full_context_hint(self, str(exc), added[0]["content"])) from None
         finally:
             llm.should_stop = lambda: False
             llm.set_kv_query(False)
