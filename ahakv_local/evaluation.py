@@ -90,8 +90,9 @@ class LogProbStore:
     scale / 2 (Gemma 3 on GPL-3: rows span 29-61 nats, e = 2.2e-4 to 4.7e-4). For KL(p || q) = sum p log p
     - sum p log q computed with p' = p exp(d): KL' - KL = sum p (exp(d) - 1)(log p - log q) + sum p exp(d) d,
     so |KL' - KL| <= (exp(e) - 1) E_p|log p - log q| + e exp(e) ~ e (1 + E_p|log p/q|) per token, at worst;
-    the rounding errors are unbiased and mostly cancel (Gemma 3, h2o at 96 cells: 2.2e-6 from the exact KL,
-    bound 3.8e-4; tests/test_evaluation.py). The argmax is stored exactly, so top-1 is exact.
+    the rounding errors are unbiased and mostly cancel (tests/test_evaluation.py compares with the exact KL of Gemma
+    3's rows), and ``compare`` makes each stored row a distribution again, so that a row equal to the reference reads
+    within e^2 / 2 of 0. The argmax is stored exactly, so top-1 is exact.
     """
 
     def __init__(self, n_vocab: int, directory: str | Path | None = None, file: BinaryIO | None = None):
@@ -132,10 +133,17 @@ class LogProbStore:
         """KL(stored || logq) and top-1 agreement per row (row by row: float64 temporaries of one row)."""
         kl, top1 = [], []
         for rec, lq in zip(recs, logq, strict=True):
-            lp = self.dequantize(rec)
+            lp = self.dequantize(rec).astype(np.float32).astype(np.float64)  # what p is the exp of (p to match it)
             p = np.exp(lp.astype(np.float32)).astype(np.float64)  # 2x faster; p to 6e-8 relative
-            # sum p log p - sum p log q; never below 0 but for the stored rounding (a run equal to the reference read
-            # -3e-6): at 0 there (a NaN row stays NaN: a broken run is not read as a perfect one)
+            # the stored row made a distribution again (its rounding moved its sum off 1 by up to e): KL(p' || p) of a
+            # run equal to the reference is then second order, at most e^2 / 2 (Hoeffding's lemma for p' = p e^d /
+            # E_p e^d, |d| <= e), plus float32 exp's rounding of p (2^-23 at most); unnormalized it was first order (a
+            # run whose logits are bit-identical to the reference's, eval ppl's trimmed row, read above 0 by it)
+            total = p.sum()
+            p /= total
+            lp = lp - np.log(total)
+            # sum p log p - sum p log q; below 0 only by float rounding: at 0 there (a NaN row stays NaN: a broken run
+            # is not read as a perfect one)
             d = float(p @ (lp - lq))
             kl.append(0.0 if d < 0 else d)
             top1.append(bool(np.argmax(lq) == rec["top"]))
