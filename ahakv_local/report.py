@@ -281,6 +281,9 @@ def write_speed_report(
         lines += [
             "## long run: full cache vs budget",
             "",
+            "KV in use and allocated at each context: llama.cpp allocates the full and trimmed caches once, up front, "
+            "for the run's last context (their rows are flat).",
+            "",
             "| run | context | prompt tok/s | decode tok/s | KV in use MiB | KV allocated MiB |",
             "|---|---:|---:|---:|---:|---:|",
         ]
