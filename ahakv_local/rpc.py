@@ -13,6 +13,8 @@ The RPC protocol is unauthenticated and unencrypted: run workers on a trusted ne
 from __future__ import annotations
 
 import ctypes
+import functools
+import ipaddress
 import os
 import socket
 import struct
@@ -97,10 +99,25 @@ def check_worker(endpoint: str, timeout: float = 5.0) -> None:
 
 
 def worker_address(endpoint: str) -> tuple[str, int]:
-    """(IPv4 address, port) of ``HOST:PORT``: what tells two names of one worker apart from two workers. An
-    unresolvable host is an AhakvError, as llama.cpp would abort on it."""
+    """(IPv4 address, port) of ``HOST:PORT``: what tells two names of one worker apart from two workers. Every
+    address of this machine is one (127.0.0.1, 127.0.0.2, 0.0.0.0, its own network address all reach a worker that
+    listens on 0.0.0.0: two such names hung the load, a second connection waiting on the first). An unresolvable
+    host is an AhakvError, as llama.cpp would abort on it."""
     host, _, port = endpoint.rpartition(":")
-    return resolve_ipv4(host, f"the RPC worker {endpoint}"), int(port)
+    address = resolve_ipv4(host, f"the RPC worker {endpoint}")
+    ip = ipaddress.ip_address(address)
+    if ip.is_loopback or ip.is_unspecified or address in _own_addresses():
+        address = "127.0.0.1"
+    return address, int(port)
+
+
+@functools.cache
+def _own_addresses() -> frozenset[str]:
+    """This machine's IPv4 addresses, as its host name resolves (none where it does not)."""
+    try:
+        return frozenset(socket.gethostbyname_ex(socket.gethostname())[2])
+    except (OSError, UnicodeError):
+        return frozenset()
 
 
 def resolve_ipv4(host: str, what: str) -> str:
@@ -140,10 +157,16 @@ class Devices:
                 )
         # every address before llama.cpp sees one (it aborts on a bad one); not those a live model of this
         # process is connected to: a worker serves one connection at a time, so a probe would wait there
-        busy = {w for devices in _IN_USE for w in devices.workers}
+        busy = {w: ep for devices in _IN_USE for w, ep in zip(devices.workers, devices.endpoints, strict=True)}
         for ep, worker in zip(self.endpoints, self.workers, strict=True):
             if worker not in busy:
                 check_worker(ep)
+            elif busy[worker] != ep:  # llama.cpp shares a connection by name: another name opened a second one, which
+                # the worker left waiting (the load hung for good)
+                raise AhakvError(
+                    f"the RPC worker {ep} is {busy[worker]}, which a model of this process is connected to: name it "
+                    f"{busy[worker]} here too (a worker serves one connection at a time)"
+                )
         ggml = upstream.ggml_cdll()
         for name, (argtypes, restype) in _GGML.items():
             fn = getattr(ggml, name)

@@ -189,11 +189,32 @@ def test_one_worker_under_two_names_is_refused(workers):
     """A second connection to a worker that serves one client at a time waits for ever: llama.cpp hung with
     127.0.0.1:P,localhost:P (or a port written 0P). Refused before any connection, in one line."""
     port = workers.split(",")[0].rsplit(":", 1)[1]
-    for first, second in ((f"127.0.0.1:{port}", f"localhost:{port}"), (f"127.0.0.1:{port}", f"127.0.0.1:0{port}")):
+    # every address of this machine reaches a worker listening on all of them (0.0.0.0, 127.0.0.2: the load hung)
+    pairs = [
+        (f"127.0.0.1:{port}", f"localhost:{port}"),
+        (f"127.0.0.1:{port}", f"127.0.0.1:0{port}"),
+        (f"0.0.0.0:{port}", f"127.0.0.1:{port}"),
+        (f"127.0.0.1:{port}", f"127.0.0.2:{port}"),
+    ]
+    for first, second in pairs:
         # both names said (the line named one of them twice: "... 127.0.0.1:P is 127.0.0.1:P, as another address is")
         with pytest.raises(AhakvError) as refused:
             rpc.Devices(rpc.parse_servers(f"{first},{second}"))
         assert str(refused.value) == f"RPC worker listed twice: {first} and {second} are both 127.0.0.1:{port}"
+
+
+def test_a_worker_in_use_under_another_name_is_refused(workers):
+    """A model of this process connected to 127.0.0.1:P, a second one naming localhost:P: llama.cpp shares a
+    connection by name, so it opened another, which the worker left waiting (the load hung; Ctrl-C aborted)."""
+    port = workers.split(",")[0].rsplit(":", 1)[1]
+    held = rpc.Devices((f"127.0.0.1:{port}",))
+    with pytest.raises(AhakvError) as refused:
+        rpc.Devices((f"localhost:{port}",))
+    assert str(refused.value) == (
+        f"the RPC worker localhost:{port} is 127.0.0.1:{port}, which a model of this process is connected to: name it "
+        f"127.0.0.1:{port} here too (a worker serves one connection at a time)"
+    )
+    assert rpc.Devices((f"127.0.0.1:{port}",)).workers == held.workers  # the same name shares the connection
 
 
 def test_layers_stay_local_with_ngl_0(workers, fixture_model, capfd):
