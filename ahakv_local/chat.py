@@ -243,7 +243,7 @@ class ChatSession:
         keep_transcript(self)  # the conversation it replaces, as on exit (it was lost when not /save'd first)
         self.messages, self.system = messages, system
         said = f"loaded {len(messages)} messages, {self.llm.kv_stats().cells_used} cached tokens"
-        if kv is not None and policy not in (None, kv.policy.name):  # (the file's policy was said nowhere)
+        if kv is not None and policy in POLICIES and policy != kv.policy.name:  # (the file's was said nowhere)
             said += f" (saved under {policy}: this chat goes on with {kv.policy.name}; /policy {policy} to switch)"
         return said
 

@@ -29,7 +29,6 @@ from .atomic import replaced
 from .budget import LAYER_BUDGETS, Budget, as_option
 from .errors import AhakvError
 from .info import KV_CACHE_TYPES
-from .policies import POLICIES
 
 FORMAT = "ahakv-local chat"
 VERSION = 1
@@ -128,7 +127,7 @@ def load_chat(
     path: Path, llm, accept: Callable[[str | None], None] = lambda system: None
 ) -> tuple[list[dict], str | None, str | None]:
     """Check a saved chat and restore its cache into ``llm``; returns (messages, system prompt, the policy it ran
-    under where the file names one of ours). Every check runs
+    under as the file names it). Every check runs
     before the cache is touched, ``accept(system)`` (the caller's, e.g. that the budget holds the system prompt)
     last; AhakvError says what is wrong in one line."""
     meta, blob = _read(path, max_state=max_state_bytes(llm))
@@ -164,8 +163,8 @@ def load_chat(
         raise
     except (ValueError, RuntimeError) as exc:  # llama-cpp-python's (RuntimeError: llama.cpp refused it, no budget)
         raise AhakvError(f"{path}: {exc}") from None
-    policy = meta.get("policy")  # (a name of ours only: a crafted file's text never reaches the loaded line)
-    return messages, system, policy if policy in POLICIES else None
+    policy = meta.get("policy")  # (the caller shows a name of its policies only: never a crafted file's text)
+    return messages, system, policy if isinstance(policy, str) else None
 
 
 def _how_to_load(meta: dict, llm) -> str:
