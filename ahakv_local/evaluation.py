@@ -133,15 +133,15 @@ class LogProbStore:
         """KL(stored || logq) and top-1 agreement per row (row by row: float64 temporaries of one row)."""
         kl, top1 = [], []
         for rec, lq in zip(recs, logq, strict=True):
-            lp = self.dequantize(rec).astype(np.float32).astype(np.float64)  # what p is the exp of (p to match it)
-            p = np.exp(lp.astype(np.float32)).astype(np.float64)  # 2x faster; p to 6e-8 relative
+            lp32 = self.dequantize(rec).astype(np.float32)
+            p = np.exp(lp32).astype(np.float64)  # 2x faster; p to 6e-8 relative
             # the stored row made a distribution again (its rounding moved its sum off 1 by up to e): KL(p' || p) of a
             # run equal to the reference is then second order, at most e^2 / 2 (Hoeffding's lemma for p' = p e^d /
             # E_p e^d, |d| <= e), plus float32 exp's rounding of p (2^-23 at most); unnormalized it was first order (a
             # run whose logits are bit-identical to the reference's, eval ppl's trimmed row, read above 0 by it)
             total = p.sum()
             p /= total
-            lp = lp - np.log(total)
+            lp = lp32.astype(np.float64) - np.log(total)  # (of the float32 row p is the exp of, to match it)
             # sum p log p - sum p log q; below 0 only by float rounding: at 0 there (a NaN row stays NaN: a broken run
             # is not read as a perfect one)
             d = float(p @ (lp - lq))

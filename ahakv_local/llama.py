@@ -81,12 +81,15 @@ class Stopped(Exception):
     ends before the next decode call, with the cache consistent up to the last one."""
 
 
+CLOSED_MESSAGE = "this Llama was closed: create a new one"
+
+
 class _Closed:
     """Stands in for the native model, context and batch after ``close()``: upstream would pass freed
     pointers to llama.cpp and crash the process; this raises instead."""
 
     def __getattr__(self, name: str):
-        raise ValueError("this Llama was closed: create a new one")
+        raise ValueError(CLOSED_MESSAGE)
 
     def __bool__(self) -> bool:
         return False
@@ -402,7 +405,7 @@ class Llama(llama_cpp.Llama):
         """Without a budget: the context size. With one: the model's trained context, the bound on
         positions (the KV cells stay at the budget; see ``kv_stats``)."""
         if self._kv is not None and self._kv_engine.closed:  # (as without a budget: llama.cpp's n_ctx is gone)
-            raise ValueError("this Llama was closed: create a new one")
+            raise ValueError(CLOSED_MESSAGE)
         return self._n_ctx if self._kv is not None else super().n_ctx()
 
     def set_cache(self, cache) -> None:

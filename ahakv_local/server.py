@@ -571,13 +571,11 @@ class SerialRunner:
         """What a request can be refused for without the model: its kv_ fields against the server's settings
         (``settings`` checks the budget against the caches again, holding the model), and a prompt whose text alone
         is past the trained context (its template only adds to it)."""
-        if req.kv_policy is not None:
-            make_policy(req.kv_policy)
+        asked = make_policy(req.kv_policy) if req.kv_policy is not None else self.policy
         if (req.kv_budget is not None or req.kv_policy is not None) and self.budget is None:
             raise AhakvError("this server runs without a KV budget: kv_budget and kv_policy are not available")
         if req.kv_budget is not None:
             self.budget.parsed(req.kv_budget)
-        asked = make_policy(req.kv_policy) if req.kv_policy is not None else self.policy
         check_request_query(req.kv_query, asked, *self.room)
         texts = [m["content"] for m in payload] if kind == "chat" else [payload]
         n = sum(len(self.llm.tokenize(t.encode(), add_bos=False, special=True)) for t in texts)
@@ -647,18 +645,14 @@ class SerialRunner:
 
     @contextlib.contextmanager
     def settings(self, req: KVFields):
-        """Apply a request's kv_budget / kv_policy once both pass every check; restore the server's after."""
-        kv = self.llm.kv_controller
-        asked = make_policy(req.kv_policy) if req.kv_policy is not None else None
-        room, chunk = (kv.config.room, kv.engine.config.n_ubatch) if kv is not None else (0, 0)
-        check_request_query(
-            req.kv_query, asked if asked is not None else kv.policy if kv is not None else None, room, chunk
-        )
+        """Apply a request's kv_budget / kv_policy once both pass every check (``_check``'s, made before the request
+        waited: its kv_query, a server without a budget; and the budget against the caches, here); restore the
+        server's after."""
         if req.kv_budget is None and req.kv_policy is None:
             yield
             return
-        if kv is None:
-            raise AhakvError("this server runs without a KV budget: kv_budget and kv_policy are not available")
+        kv = self.llm.kv_controller
+        asked = make_policy(req.kv_policy) if req.kv_policy is not None else None
         saved_budget, saved_policy = kv.config.budget, kv.policy
         budget, policy = saved_budget, saved_policy
         if req.kv_budget is not None:  # with the server's auto-budget parameters
