@@ -1,7 +1,7 @@
 """``ahakv-local eval`` and ``ahakv-local bench``: what a budget costs in quality and buys in speed and memory.
 
-Every command writes results.json (each figure with its configuration and provenance), results.csv,
-results.md and PNG plots under --out, and shows a progress bar on stderr.
+Every command writes results.json (each figure with its configuration and provenance), results.csv and
+results.md under --out, and a PNG plot (all but eval needle), and shows a progress bar on stderr.
 """
 
 from __future__ import annotations
@@ -33,10 +33,21 @@ from .info import KV_CACHE_TYPES
 from .textfile import LICENSES, license_files, read_text
 
 
-def _bar(desc: str, total: int):
+def _bar(desc: str, total: int, unit: str = "tok"):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="tok", leave=False, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True)
+
+
+def _advance(bar) -> Callable[[int, int], None]:
+    """A run's ``progress(done, total)`` on ``bar``, with the run's own total, which leaves out what it does not run
+    (eval needle's budget that holds a length's prompt: the bar stopped at 10/12)."""
+
+    def advance(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    return advance
 
 
 def _out(out_dir: str, figure: str | None = None, inputs: tuple[str, ...] = ()) -> Path:
@@ -311,7 +322,7 @@ def eval_ppl(
             configs,
             prefix=prefix,
             step=step,
-            progress=lambda done, total: bar.update(done - bar.n),
+            progress=_advance(bar),
             rpc_servers=rpc_servers,
             n_threads=threads,
         )
@@ -343,12 +354,7 @@ def eval_needle(
     from .report import write_needle_report
 
     rpc_servers = parse_rpc(rpc)
-    names = _policies(policies)  # before the model is read
-    out = _out(out_dir, None, (filler_file,))
-    path = _model(model)
-    filler = read_text(filler_file)
-    if not filler.strip():  # (found once the model was loaded and the bar had started: "the filler text has 0 tokens")
-        raise AhakvError(f"{filler_file} is empty: a needle is hidden in filler text")
+    names = _policies(policies)  # the options before the model is read (a missing default one is assembled first)
     lens, deps = _lengths_and_depths(lengths, depths)
     floor = sinks + recent + 1
     from .budget import Budget
@@ -358,6 +364,11 @@ def eval_needle(
     cells = _cells(budgets, max(lens), floor)
     if min(cells) < floor:
         raise AhakvError(f"a budget is smaller than sinks + recent + newest ({floor})")
+    out = _out(out_dir, None, (filler_file,))
+    path = _model(model)
+    filler = read_text(filler_file)
+    if not filler.strip():  # (found once the model was loaded and the bar had started: "the filler text has 0 tokens")
+        raise AhakvError(f"{filler_file} is empty: a needle is hidden in filler text")
     from .info import read_info
 
     trained = read_info(path).n_ctx_train
@@ -371,8 +382,7 @@ def eval_needle(
 
     schedule = dict(n_sink=sinks, n_recent=recent)
     configs = [SessionSpec()] + [SessionSpec.bounded(p, c, **schedule) for c in cells for p in names]
-    with _bar("eval needle", len(configs) * len(lens) * len(deps) * trials) as bar:
-        bar.unit = "trial"
+    with _bar("eval needle", len(configs) * len(lens) * len(deps) * trials, unit="trial") as bar:
         try:
             trials_ = run_needle(
                 path,
@@ -382,7 +392,7 @@ def eval_needle(
                 configs,
                 trials=trials,
                 seed=seed,
-                progress=lambda done, total: bar.update(done - bar.n),
+                progress=_advance(bar),
                 rpc_servers=rpc_servers,
                 n_threads=threads,
             )
@@ -413,7 +423,11 @@ def _say_unguided(names: list[str], readings: list[str]) -> None:
 @click.option("--lengths", default="2048,4096", show_default=True, help="Prompt lengths in tokens.")
 @click.option("--depths", default="0.1,0.5,0.9", show_default=True, help="Where the asked fact sits (fractions).")
 @click.option(
-    "--compressions", default="4,8", show_default=True, help="Tokens per kept cell: cells = length / compression."
+    "--compressions",
+    default="4,8",
+    show_default=True,
+    help="Tokens per kept cell: a budget of length / compression cells (the cache holds a prompt chunk of 64 more "
+    "while it reads, and a guided reading the question's room too).",
 )
 @policies_option
 @click.option(
@@ -482,8 +496,7 @@ def eval_longdoc(
         raise AhakvError(f"{', '.join(files)}: no text to fill the prompts with")
     rule = specs_rule(names, factors, readings, layouts, n_sink=sinks, n_recent=recent)
     n_items = len(task_list) * len(deps) * trials
-    with _bar("eval longdoc", sum(len(rule(n)) for n in lens) * n_items) as bar:
-        bar.unit = "trial"
+    with _bar("eval longdoc", sum(len(rule(n)) for n in lens) * n_items, unit="trial") as bar:
         try:
             results = run_longdoc(
                 path,
@@ -494,7 +507,7 @@ def eval_longdoc(
                 trials=trials,
                 seed=seed,
                 filler_texts=texts,
-                progress=lambda done, total: bar.update(done - bar.n),
+                progress=_advance(bar),
                 rpc_servers=rpc_servers,
                 n_threads=threads,
             )

@@ -15,7 +15,8 @@ A prompt is exactly ``length`` tokens: intro + filler with the sentences + quest
 question's tokens are also given alone, as what a question-guided reading is told to look for. Each
 configuration reads the whole prompt through its controller (``BoundedSession.read``: the cache is
 compressed chunk by chunk before the question comes), then answers greedily; the score is 1 or 0 for
-the one-answer tasks and the fraction of the expected answers found for multivalue and vartrack.
+the one-answer tasks, the fraction of the keys found for multivalue, and for vartrack the variables found over
+those expected plus the decoy chain's the answer names (``score_answer``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import io
 import json
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -35,15 +35,16 @@ def invocation() -> dict:
     return {"command": ctx.command_path, "options": {k: plain(v) for k, v in sorted(ctx.params.items())}}
 
 
-def provenance(model: Path, text: str, tokens: int) -> dict:
-    """What a result was made with: the model and text (their sha256: a relative path names no file), the tokens, this
-    package, and the engine installed, by its key and the patch series it was built from (the source tree's patches,
-    edited without a rebuild, said what the engine did not run)."""
+def provenance(model: Path, text: str, tokens: int, files: Sequence[str] | None = None) -> dict:
+    """What a result was made with: the model and text (their sha256: a relative path names no file; ``files``: the
+    text files where ``text`` is a description of them, not their comma-separated paths), the tokens, this package,
+    and the engine installed, by its key and the patch series it was built from (the source tree's patches, edited
+    without a rebuild, said what the engine did not run)."""
     from . import __version__
     from .build import installed_marker, patch_hash_of
 
     engine = installed_marker()  # (its library hashed once)
-    texts = [t for t in text.split(",") if t] if text else []
+    texts = list(files) if files is not None else [t for t in text.split(",") if t] if text else []
     return invocation() | {
         "model": str(model),
         "model_sha256": file_sha256(model),
@@ -216,7 +217,9 @@ def write_longdoc_report(
     """results.json/.csv/.md and accuracy.png of the long-document suite; return the Markdown lines."""
     from .plots import plot_longdoc
 
-    meta = provenance(model, filler, max(t.length for t in trials)) | (settings or {})
+    settings = settings or {}
+    # (filler: "GPL-3 (then 13 more texts as a length needs)", which hashed no file)
+    meta = provenance(model, filler, max(t.length for t in trials), settings.get("filler_files")) | settings
     n = max(Counter((t.label, t.task, t.length) for t in trials).values())
     lines = [
         f"# long documents: {model.name}, filler {filler}",

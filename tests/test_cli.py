@@ -1008,12 +1008,18 @@ def test_generate_checks_its_own_arguments(gemma_model, tmp_path):
 @pytest.mark.parametrize("command", ["ppl", "needle", "longdoc"])
 def test_eval_refuses_a_policy_or_layout_before_the_model_is_read(command, tmp_path):
     """The README: "Budgets and policies are checked before the model is read". eval ppl resolved the model (a
-    default one is assembled first) and tokenized the text before it named an unknown policy or layout."""
+    default one is assembled first) and tokenized the text before it named an unknown policy or layout; eval needle
+    its budgets, lengths and depths."""
     missing = str(tmp_path / "missing.gguf")
-    checks = [("--policies", "unknown policy 'bogus'")]
-    checks += [("--layer-budgets", "not 'bogus'")] if command != "needle" else []  # (needle runs the shared pool)
-    for option, said in checks:
-        proc = ahakv("eval", command, missing, option, "bogus", "--out", str(tmp_path / "out"))
+    checks = [("--policies", "bogus", "unknown policy 'bogus'")]
+    checks += [("--layer-budgets", "bogus", "not 'bogus'")] if command != "needle" else []  # (needle: shared pool)
+    checks += [("--budgets", "bogus", "budget must be a cell count")] if command != "longdoc" else []
+    if command != "ppl":
+        checks += [("--depths", "2", "each must lie between 0 and 1"), ("--lengths", "x", "token counts")]
+    if command == "needle":
+        checks += [("--budgets", "36", "a budget is smaller than sinks + recent + newest (37)")]
+    for option, value, said in checks:
+        proc = ahakv("eval", command, missing, option, value, "--out", str(tmp_path / "out"))
         assert proc.returncode != 0 and said in proc.stderr and "missing.gguf" not in proc.stderr, proc.stderr
         assert proc.stderr.count("\n") == 1
 

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +27,7 @@ from ahakv_local.longdoc import (
     score_answer,
     specs_rule,
 )
-from ahakv_local.models import fixture_path
+from ahakv_local.models import file_sha256, fixture_path
 from ahakv_local.session import SessionSpec
 
 
@@ -241,6 +242,9 @@ def test_eval_longdoc_command_writes_every_output(fixture_model, tmp_path):
     assert all(0 <= r["score"] <= 1 and r["solved"] == (r["score"] == 1) for r in rows)
     assert all(re.fullmatch(r"\d{5}", r["expected"]) and r["prompt_seconds"] > 0 for r in rows)
     assert data["config"]["model_sha256"] and data["config"]["tasks"] == ["single", "multikey"]
+    # each filler file hashed (the report's "GPL-3 (then 13 more texts as a length needs)" hashed none)
+    files = data["config"]["filler_files"]
+    assert files and data["config"]["text_sha256"] == {f: file_sha256(Path(f)) for f in files}
     assert data["config"]["threads"] == 1
     assert (out / "results.csv").read_text().count("\n") == len(rows) + 1 == 17
     md = (out / "results.md").read_text()

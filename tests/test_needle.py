@@ -123,3 +123,27 @@ def test_a_budget_that_holds_a_length_s_prompt_is_not_run_there(fixture_model, l
     assert bounded.max_cells < 1024  # evicting
     row = next(line for line in accuracy_table(runs) if line.startswith("| streaming"))
     assert row.split("|")[3].strip() == ""  # the 256-token column
+
+
+def test_the_command_s_bar_counts_the_runs_made(fixture_model, license_text, tmp_path, monkeypatch):
+    """The bar's total was the grid's (12 trials) where the run skips a budget that holds a length's prompt: it
+    stopped at 10/12. It takes the run's own count (``run_needle``'s progress, checked above)."""
+    from click.testing import CliRunner
+
+    from ahakv_local import cli_eval
+    from ahakv_local.cli import main
+
+    bars = []
+    make_bar = cli_eval._bar
+    monkeypatch.setattr(cli_eval, "_bar", lambda *a, **k: bars.append(make_bar(*a, **k)) or bars[-1])
+    filler = tmp_path / "filler.txt"
+    filler.write_text(license_text)
+    args = [
+        "eval", "needle", str(fixture_model), "--filler", str(filler), "--lengths", "256,1024", "--depths", "0,1",
+        "--budgets", "200,512", "--policies", "streaming", "--recent", "8", "-t", "1", "--out", str(tmp_path / "o"),
+    ]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    # the full cache at 2 lengths x 2 depths, 200 cells at both lengths, 512 at 1024 only: 10
+    [bar] = bars
+    assert bar.n == bar.total == 10
