@@ -408,9 +408,12 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
         prompt = argument_text(prompt, "-p")
     if query is not None:
         query = argument_text(query, "--query")
+        if not query.strip():  # (it fell back to the prompt's last paragraph without a word)
+            raise AhakvError("--query is empty: give the question's text, or leave --query out (the prompt's last "
+                             "paragraph guides the reading)")  # fmt: skip
     if prompt is None:
-        stdin = sys.stdin  # None where it was closed (`<&-`)
-        if prompt_file == "-" or (not prompt_file and stdin is not None and not stdin.isatty()):  # "-": stdin's name
+        stdin = sys.stdin  # None where it was closed (`<&-`): said so, not "give a prompt ... on standard input"
+        if prompt_file == "-" or (not prompt_file and (stdin is None or not stdin.isatty())):  # "-": stdin's name
             source = "standard input"
             if stdin is None:
                 raise AhakvError("standard input is closed: give the prompt with -p or --file")
@@ -427,7 +430,7 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
     llm = load_llama(model, **engine)
     stream = llm.create_completion(
         prompt, max_tokens=n_predict, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, stream=True,
-        kv_query=query or None,
+        kv_query=query,
     )  # fmt: skip
     finish = None
     try:

@@ -553,6 +553,7 @@ def test_bad_option_values_are_one_line(fixture_model):
             1,
         ),
         (["generate", "", "-p", "x", "--query", "q"], r"error: --query guides .* give a --budget too", 1),
+        (["generate", "", "-p", "x", "--query", " ", "--budget", "64"], r"error: --query is empty: give the", 1),
     ],
 )
 def test_commands_refuse_bad_values_in_one_line(fixture_model, args, pattern, code):
@@ -1204,7 +1205,8 @@ def test_a_closed_standard_input_is_the_input_s_end(fixture_model):
     assert_one_line_error(
         closed("generate", str(fixture_model), "-n", "2", "-f", "-"), r"error: standard input is closed"
     )
-    assert_one_line_error(closed("generate", str(fixture_model), "-n", "2"), r"error: give a prompt with -p")
+    # (with no -f too: it said "give a prompt with -p, --file or on standard input")
+    assert_one_line_error(closed("generate", str(fixture_model), "-n", "2"), r"error: standard input is closed")
     chat = closed("chat", str(fixture_model), "-n", "2")
     assert chat.returncode == 0 and "Traceback" not in chat.stderr, chat.stderr
 
