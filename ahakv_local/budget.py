@@ -71,8 +71,8 @@ class Budget:
                 )
             return cls("bytes", int(n), **kw)
         percent = s.endswith("%")
-        try:
-            v = float(s[:-1] if percent else s)
+        try:  # a whole number as written (a float made 99999999999999999999 "budget 100000000000000000000 cells")
+            v = int(s) if s.isdigit() else float(s[:-1] if percent else s)
         except ValueError:
             raise AhakvError(
                 f"budget must be a cell count, bytes (16MiB), a ratio (0.25 or 25%) or 'auto', not {text!r}"
