@@ -162,10 +162,52 @@ def test_ahakv_value_prior_and_sg_softmax():
     p = make_policy("ahakv", error_model=False, holistic_weights=False)
     p.observe(obs)
     nu = obs.vnorm[:, 0, :].astype(float) ** 2  # [L, N]
-    pooled = np.array([[nu[li, max(0, j - 2) : j + 3].mean() for j in range(N)] for li in range(L)])
+    # each position's window of 5, over the positions its layer sees (the sliding layer's values before its window,
+    # which the tap reads as 0, are left out)
+    seen = [[[i for i in range(max(0, j - 2), min(N, j + 3)) if VISIBLE[li, i]] for j in range(N)] for li in range(L)]
+    pooled = np.array([[nu[li, w].mean() if w else 0.0 for w in seen[li]] for li in range(L)])
     gamma = pooled / pooled.max(axis=1, keepdims=True)
     expected = [visible_mean(obs.side * gamma[:, None, :], j) for j in range(N)]
     np.testing.assert_allclose(p.score(obs), expected, rtol=POLICY_RTOL)
+
+
+def test_ahakv_value_prior_of_equal_values_is_one_wherever_a_layer_sees():
+    """Equal values have gamma 1. The tap's 0 for what a sliding layer no longer sees was pooled in: the first
+    positions its window sees had 0.6 and 0.8."""
+    obs = dataclasses.replace(synthetic_steps(steps=1)[0], vnorm=np.where(VISIBLE[:, None, :], 1.5, 0.0))
+    gamma = make_policy("ahakv", error_model=False)._value_prior(obs)
+    # (float64 throughout: the pools are differences of cumulative sums, a few units in the last place off)
+    np.testing.assert_allclose(gamma[VISIBLE[:, None, :].repeat(H, axis=1)], 1.0, rtol=1e-12)
+
+
+def test_ahakv_gives_a_new_position_its_head_s_median_over_what_its_layer_saw():
+    """Positions new since the last measured distances (a summed block) get each head's median distance. It was taken
+    over every live position, and a sliding layer's distance is 0 where it sees nothing: past its window for most of a
+    shared pool, the median of every sliding head was 0 and the new positions' block counted nothing there."""
+    first = synthetic_steps(steps=1)[0]
+    sees = np.array([[True] * N, [False] * 5 + [True] * 3])  # the sliding layer sees 3 of 8
+    first = dataclasses.replace(first, visible=sees, verr=np.where(sees[:, None, :], first.verr, 0.0))
+    p = make_policy("ahakv")
+    p.observe(first)
+    block = np.append(first.positions, first.positions[-1] + 1)  # one position more, not measured
+    dist = p._last_distance(block)
+    measured = p._distance[1]
+    for li in range(L):
+        for h in range(H):
+            assert dist[li, h, -1] == pytest.approx(np.median(measured[li, h, sees[li]]), rel=1e-12)
+    assert (dist[1, :, -1] > 0).all()
+
+
+def test_ahakv_head_weights_learn_nothing_from_an_observation_without_rows():
+    """An observation of no rows (every head's attention 0) read as entropy 0, focus 1: every weight was pulled to 1."""
+    p = make_policy("ahakv")
+    for obs in synthetic_steps(steps=3):
+        p.observe(obs)
+    before = p.weights.copy()
+    empty = synthetic_steps(steps=1)[0]
+    empty = dataclasses.replace(empty, n_rows=0, attn=np.zeros_like(empty.attn), side=np.zeros_like(empty.side))
+    p.observe(dataclasses.replace(empty, verr=np.zeros_like(empty.verr)))
+    np.testing.assert_array_equal(p.weights, before)
 
 
 def test_ahakv_lambda():

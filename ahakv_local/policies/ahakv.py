@@ -66,7 +66,8 @@ class AhaKV(Policy):
 
     ring: RecentSum = field(init=False)
     weights: np.ndarray | None = field(default=None, init=False)
-    _distance: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
+    # the last measured relative distances: (positions, [L, H, n] distances, [L, n] which layer saw each position)
+    _distance: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
     _guided: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +99,8 @@ class AhaKV(Policy):
         n_layer, n_head = obs.attn.shape[:2]
         if not self.holistic_weights:
             return np.ones((n_layer, n_head))
+        if not obs.attn.any() and self.weights is not None and self.weights.shape == (n_layer, n_head):
+            return self.weights / self.weights.mean()  # no rows, no focus to learn (an empty head read as focus 1)
         focus = head_focus(obs)
         if self.weights is None or self.weights.shape != focus.shape:
             self.weights = focus
@@ -120,8 +123,13 @@ class AhaKV(Policy):
         return dist / self._output_norm(obs)
 
     def _value_prior(self, obs: Observation) -> np.ndarray:
-        nu = obs.vnorm.astype(np.float64) ** 2  # [L, H_kv, n]
-        pooled = avg_pool(nu, self.vpe_kernel)
+        """gamma_j: ||v_j||^2 pooled over the ``vpe_kernel`` neighbours each layer sees, over its largest. (A position
+        a sliding layer no longer sees has no value there, 0 in the tap: pooled in, it pulled the first positions the
+        window sees toward 0, 0.6 and 0.8 of equal values.)"""
+        seen = np.broadcast_to(obs.visible[:, None, :], obs.vnorm.shape)  # [L, H_kv, n]
+        nu = np.where(seen, obs.vnorm.astype(np.float64) ** 2, 0.0)
+        count = avg_pool(seen.astype(np.float64), self.vpe_kernel)  # the share of each window the layer sees
+        pooled = np.where(count > 0, avg_pool(nu, self.vpe_kernel) / np.maximum(count, 1e-12), 0.0)
         gamma = pooled / np.maximum(pooled.max(axis=2, keepdims=True), 1e-12)
         return kv_to_query_heads(gamma, obs.attn.shape[1])
 
@@ -131,7 +139,7 @@ class AhaKV(Policy):
         w = self._update_weights(obs)
         mass = obs.side if self.sg_softmax and obs.side is not None else obs.attn
         if self.error_model and obs.verr is not None:
-            self._distance = (obs.positions, self._relative_distance(obs))
+            self._distance = (obs.positions, self._relative_distance(obs), obs.visible)
             mass = mass * self._distance[1]
         elif self.error_model and self._distance is not None:
             mass = mass * self._last_distance(obs.positions)
@@ -142,13 +150,14 @@ class AhaKV(Policy):
     def _last_distance(self, positions: np.ndarray) -> np.ndarray:
         """The relative distances of the last observation that measured them (decode steps the tap only
         summed attention for carry none: values move slowly next to the output); positions new since
-        then get their head's median."""
-        known, dist = self._distance
+        then get their head's median over the positions its layer saw (a sliding layer's distance is 0 where it sees
+        nothing: with most of a shared pool past its window, the median of every sliding head was 0)."""
+        known, dist, seen = self._distance
         idx = np.minimum(np.searchsorted(known, positions), known.size - 1)
         found = known[idx] == positions
         if found.all():
             return dist[:, :, idx]
-        return np.where(found[None, None, :], dist[:, :, idx], head_median(dist))
+        return np.where(found[None, None, :], dist[:, :, idx], visible_median(dist, seen))
 
     def reading(self, guided: bool) -> None:
         self._guided = guided
@@ -173,8 +182,9 @@ class AhaKV(Policy):
     def truncate(self, n: int) -> None:
         self.ring.truncate(n)
         if self._distance is not None:
-            known, dist = self._distance
-            self._distance = (known[known < n], dist[:, :, known < n]) if (known < n).any() else None
+            known, dist, seen = self._distance
+            before = known < n
+            self._distance = (known[before], dist[:, :, before], seen[:, before]) if before.any() else None
 
     def predicted_error(self, obs: Observation, order: np.ndarray) -> np.ndarray:
         """Predicted relative change of the heads' outputs, weighted over layers and heads, when
@@ -200,6 +210,18 @@ def head_focus(obs: Observation) -> np.ndarray:
     """1 - H(a) / log(n) per layer and head, over the positions each layer sees, clipped to [0.05, 1]: [L, H]."""
     n_vis = np.maximum(obs.visible.sum(axis=1), 2)[:, None]
     return np.clip(1.0 - obs.head_entropy / np.log(n_vis), 0.05, 1.0)
+
+
+def visible_median(dist: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """``head_median`` of each layer's heads over the positions that layer sees (``visible`` [L, n]); 0 where it sees
+    none: [L, H, 1]."""
+    if visible.all():
+        return head_median(dist)
+    out = np.zeros(dist.shape[:2] + (1,), dtype=dist.dtype)
+    for il, seen in enumerate(visible):
+        if seen.any():
+            out[il] = head_median(dist[il : il + 1, :, seen])[0]
+    return out
 
 
 def head_median(dist: np.ndarray) -> np.ndarray:
