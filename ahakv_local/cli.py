@@ -516,7 +516,7 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, **engine)
     swa_full on (llama-cpp-python's default) and off (llama.cpp's own tools: the sliding cache trimmed); with a
     budget, what generate allocates for it with the same options."""
     from .budget import Budget, default_layer_budgets
-    from .info import BudgetAllocation, describe, read_info
+    from .info import BudgetAllocation, check_kv_types, describe, read_info
     from .models import resolve_model
     from .session import SessionSpec
 
@@ -537,6 +537,7 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, **engine)
         click.echo(f"note: {model_info.cut_short}: no command can load it", err=True)
     if budget is None:  # the full caches, in the K/V type a run without a budget would allocate (auto: f16)
         full_type = kv_type if kv_type not in (None, KV_TYPE_AUTO) else "f16"
+        check_kv_types(model_info, full_type, full_type)  # as a run refuses it (a budget's plan checks its own)
         click.echo(describe(model_info, ctx_size, ubatch_size, None, full_type))
         return
     # what generate and serve allocate for that budget (Llama.__init__'s plan: their chunk, a question's room, their

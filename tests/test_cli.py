@@ -258,6 +258,8 @@ def test_info_without_a_sliding_window_has_one_baseline(fixture_model):
         (["--budget", "100"], {"AHAKV_SINKS": "64", "AHAKV_RECENT": "64"}, r"error: budget 100 is smaller than sinks"),
         # the fixture's heads are 16 values: no whole q8_0 block (info stated 193 q8_0 cells)
         (["--budget", "64", "--kv-type", "q8_0"], {}, r"error: a KV row of 16 values cannot be stored as q8_0"),
+        # and without a budget (it stated 72 bytes a token of q4_0, which generate refuses)
+        (["--budget", "none", "--kv-type", "q4_0"], {}, r"error: a KV row of 16 values cannot be stored as q4_0"),
         # a ratio in 30 cells: sinks + recent and a chunk overflow them (info stated 37 cells; generate read until
         # "the KV cache is full")
         (["--budget", "0.25", "-c", "30"], {}, r"error: budget 25% cannot be held in caches of 37 cells: sinks"),
