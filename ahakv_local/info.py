@@ -29,8 +29,11 @@ KV_TYPES = {
     "f32": (0, 4, 1),
     "f16": (1, 2, 1),
     "q4_0": (2, 18, 32),
+    "q4_1": (3, 20, 32),
     "q5_0": (6, 22, 32),
+    "q5_1": (7, 24, 32),
     "q8_0": (8, 34, 32),
+    "iq4_nl": (20, 18, 32),
     "bf16": (30, 2, 1),
 }
 # what --kv-type / kv_type offer, K and V alike: a quantized one turns flash attention on, which CPU, CUDA (its

@@ -54,14 +54,15 @@ from .budget import (
 from .controller import ControllerStats, KVController, Reconstruct
 from .engine import Engine, clear_next_caches, kv_type_params, set_next_caches
 from .errors import AhakvError
-from .info import check_kv_types, read_info, reading_headers_once
+from .info import KV_CACHE_TYPES, KV_TYPES, check_kv_types, read_info, reading_headers_once
 from .native import MAX_THREADS
 from .policies import KINDS, check_guided, make_policy
 from .session import SessionSpec, check_kv_query, guide_of
 from .textfile import last_paragraph
 
 # the ggml types llama.cpp's own tools offer for a KV cache (--cache-type-k), by their ggml_type number
-CACHE_GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
+CACHE_GGML_TYPES = {name: ggml_type for name, (ggml_type, _, _) in KV_TYPES.items()}  # (upstream's type_k/type_v)
+CACHE_GGML_TYPES_BY_ID = {ggml_type: name for name, ggml_type in CACHE_GGML_TYPES.items()}
 
 
 def whole(n) -> int | None:
@@ -271,6 +272,7 @@ class Llama(llama_cpp.Llama):
             if (given := kwargs.get(name)) is not None and whole(given) not in CACHE_GGML_TYPES.values():
                 kinds = ", ".join(f"{n} ({t})" for t, n in CACHE_GGML_TYPES.items())
                 raise ValueError(f"{name} must be a ggml type llama.cpp keeps a KV cache in: {kinds}; not {given!r}")
+        kv_type = self._kv_type_of(kv_type, kv_budget, kwargs)
         if kv_query not in (True, False, *QUESTION_AGNOSTIC):
             raise AhakvError(f"kv_query must be True, False, 'reconstruct' or 'surprisal', not {kv_query!r}")
         self._kv_query_default = kv_query
@@ -361,6 +363,28 @@ class Llama(llama_cpp.Llama):
         if self.chat_format == upstream.TRANSCRIPT:  # made again by the constructor (a closure: not picklable)
             state |= {"chat_format": None, "chat_handler": None}
         return state
+
+    @staticmethod
+    def _kv_type_of(kv_type: str | None, kv_budget, kwargs: dict) -> str | None:
+        """``kv_type``, refused beside upstream's ``type_k``/``type_v`` (it set them over the ones given, without a
+        word); a byte budget counts the bytes of K and V of ``kv_type``, so there upstream's pair of one type
+        ``kv_type`` names is taken as that ``kv_type``, and another is refused (a q8_0 pair was laid out as f16 and
+        refused as not fitting its cells, an f32 pair allocated twice the bytes)."""
+        given = {name: whole(kwargs[name]) for name in ("type_k", "type_v") if kwargs.get(name) is not None}
+        if not given:
+            return kv_type
+        if kv_type is not None:
+            raise ValueError("kv_type sets K and V (type_k and type_v): give kv_type or type_k/type_v, not both")
+        if kv_budget is None or Budget.parse(kv_budget).mode != "bytes":
+            return None  # cells, a ratio or auto: counted in cells, K and V as upstream allocates them
+        names = {CACHE_GGML_TYPES_BY_ID[t] for t in given.values()}
+        if len(given) == 2 and len(names) == 1 and (name := names.pop()) in KV_CACHE_TYPES:
+            del kwargs["type_k"], kwargs["type_v"]  # (set again from kv_type, flash attention with them)
+            return name
+        raise ValueError(
+            f"a budget in bytes counts K and V of kv_type ({', '.join(KV_CACHE_TYPES)}): give kv_type rather than "
+            "type_k/type_v"
+        )
 
     @staticmethod
     def _use_kv_type(model_path: str, kv_type: str, kwargs: dict) -> None:
@@ -777,13 +801,16 @@ class Llama(llama_cpp.Llama):
     def close(self) -> None:
         if not upstream.is_initialized(self):
             return  # __init__ refused its arguments before upstream allocated anything
-        super().close()
-        self._rpc_devices = None  # the workers' connections closed with the model
-        # every later call goes through these: raise a ValueError rather than hand freed pointers to C
-        upstream.replace_handles(self, CLOSED)
-        engine = getattr(self, "_kv_engine", None)
-        if engine is not None:
-            engine.detach(CLOSED)
+        # after another thread's running call (freed under its decode, the process crashed, as under llama_cpp.Llama);
+        # a stream's next step then finds it closed
+        with self._alone("close", wait=True):
+            super().close()
+            self._rpc_devices = None  # the workers' connections closed with the model
+            # every later call goes through these: raise a ValueError rather than hand freed pointers to C
+            upstream.replace_handles(self, CLOSED)
+            engine = getattr(self, "_kv_engine", None)
+            if engine is not None:
+                engine.detach(CLOSED)
 
     # -- statistics -------------------------------------------------------------------------------
 

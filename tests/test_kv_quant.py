@@ -215,6 +215,25 @@ def test_kv_type_refusals(fixture_model, gemma_model):
         Llama(str(gemma_model), kv_type="q4_1", verbose=False)
 
 
+def test_upstream_type_k_and_type_v_beside_kv_type_and_a_byte_budget(gemma_model):
+    """kv_type set K and V over the type_k/type_v given, without a word; a byte budget was laid out in f16's bytes
+    whatever type_k/type_v said (a q8_0 pair refused as not fitting its cells, an f32 pair allocated twice the
+    bytes); a type kv_type does not offer was named by its number ("3")."""
+    from ahakv_local import Llama
+
+    with pytest.raises(ValueError, match="give kv_type or type_k/type_v, not both"):
+        Llama(str(gemma_model), kv_type="q8_0", type_k=2, type_v=2, verbose=False)
+    with pytest.raises(ValueError, match="a budget in bytes counts K and V of kv_type"):
+        Llama(str(gemma_model), kv_budget="2MiB", type_k=0, type_v=0, verbose=False)
+    kw = dict(kv_budget="2MiB", n_ctx=4096, n_batch=64, verbose=False)
+    with Llama(str(gemma_model), type_k=8, type_v=8, flash_attn=True, **kw) as pair:
+        with Llama(str(gemma_model), kv_type="q8_0", **kw) as named:  # the same caches: q8_0 bytes
+            assert pair.kv_engine.cache_sizes() == named.kv_engine.cache_sizes()
+            assert pair.kv_stats().kv_type == "q8_0" and pair.kv_stats().kv_bytes <= 2 * 2**20
+    with Llama(str(gemma_model), kv_budget=256, type_k=3, type_v=3, flash_attn=True, n_ctx=1024, verbose=False) as q:
+        assert q.kv_stats().kv_type == "q4_1"
+
+
 def test_generate_with_kv_type(gemma_model, fixture_model):
     import subprocess
     import sys

@@ -1093,7 +1093,8 @@ def test_a_second_thread_is_refused_while_one_decodes(fixture_model):
     """Two threads decoding with one Llama at once aborted the process or crashed it (as under llama_cpp.Llama). While
     one thread is inside a sampling step (held there by its logits processor), another's completion, eval, reset and
     save_state are each a RuntimeError, and the first answers as if alone; calls of several threads in turn (a stream
-    consumed through a thread pool) work. In a child process: the old code's crash would end the suite."""
+    consumed through a thread pool) work; close() waits for the running call. In a child process: the old code's
+    crash would end the suite."""
     code = """
 import threading
 import numpy as np
@@ -1130,12 +1131,28 @@ with ThreadPoolExecutor(4) as pool:  # one next() per task, on whichever thread
     while (piece := pool.submit(next, stream, None).result()) is not None:
         pieces.append(piece["choices"][0]["text"])
 print("in turn", "".join(pieces) == expected)
+# close() from another thread waits for the running call (it freed the context under its decode: a crash)
+other = Llama(str(fixture_path()), **kw)
+inside.clear()
+go.clear()
+t = threading.Thread(target=lambda: out.update(b=other("the cat sat on the mat", max_tokens=6, temperature=0,
+                                                        logits_processor=[hold])))
+t.start()
+assert inside.wait(30)
+closing = threading.Thread(target=other.close)
+closing.start()
+closing.join(0.5)
+waited = closing.is_alive()
+go.set()
+t.join(60)
+closing.join(60)
+print("close waits", waited, out["b"]["choices"][0]["text"] == expected, not closing.is_alive())
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.split("\n")
     assert [f"{n} refused" for n in ("completion", "eval", "reset", "save_state")] == lines[:4], proc.stdout
-    assert lines[4:6] == ["alone True", "in turn True"], proc.stdout
+    assert lines[4:7] == ["alone True", "in turn True", "close waits True True True"], proc.stdout
 
 
 def test_a_reconstruction_with_a_policy_no_reading_guides_is_refused_in_its_own_words(fixture_model):
