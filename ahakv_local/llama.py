@@ -360,6 +360,8 @@ class Llama(llama_cpp.Llama):
 
     def __getstate__(self) -> dict:
         state = super().__getstate__() | self._asked
+        if self._asked["kv_type"] is not None:  # upstream's type_k/type_v are kv_type's: it sets them again
+            del state["type_k"], state["type_v"]
         if self.chat_format == upstream.TRANSCRIPT:  # made again by the constructor (a closure: not picklable)
             state |= {"chat_format": None, "chat_handler": None}
         return state

@@ -386,6 +386,18 @@ def test_an_auto_budget_reads_a_long_prompt_in_a_small_context(gemma_model, lice
         llm.close()
 
 
+@pytest.mark.parametrize("kw", [{"kv_type": "q8_0"}, {"kv_budget": 96, "kv_type": "q8_0"}, {"kv_budget": "4MiB"}])
+def test_a_pickled_llama_keeps_its_kv_type(gemma_model, kw):
+    """Upstream pickles type_k and type_v beside the drop-in's kv_type, which refuses them: the copy is made from
+    kv_type alone."""
+    import pickle
+
+    with Llama(str(gemma_model), n_ctx=1024, n_batch=64, n_threads=1, verbose=False, **kw) as llm:
+        with pickle.loads(pickle.dumps(llm)) as copy:
+            assert copy.kv_engine.config.type_k == llm.kv_engine.config.type_k
+            assert copy.kv_engine.cache_sizes() == llm.kv_engine.cache_sizes()
+
+
 @pytest.mark.parametrize("budget", [None, 96, "25%"])
 def test_a_pickled_llama_is_made_again_as_it_was_asked_for(gemma_model, budget):
     """llama-cpp-python pickles a Llama as its constructor's arguments (an app handing it to multiprocessing). The
