@@ -208,18 +208,21 @@ def engine_options(f):
         threads_option,
         n_gpu_layers_default,
         rpc_option,
-        click.option(
-            "--batch-size",
-            type=Positive,
-            default=None,
-            help="Prompt tokens per decode call (default: 64 with a budget, to keep the cells near it; 512).",
-        ),
+        batch_size_option,
         kv_type_option,
         reading_option,
     ]
     for option in reversed(options):
         f = option(f)
     return f
+
+
+batch_size_option = click.option(
+    "--batch-size",
+    type=Positive,
+    default=None,
+    help="Prompt tokens per decode call (default: 64 with a budget, to keep the cells near it; 512).",
+)
 
 
 def check_model(path, batch_size: int | None) -> None:
@@ -509,9 +512,10 @@ def generate(model, prompt, prompt_file, n_predict, temp, top_k, top_p, seed, st
 @recent_option
 @evict_every_option()
 @reading_option
+@batch_size_option
 @n_gpu_layers_default
 @rpc_option
-def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, **engine) -> None:
+def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, batch_size, **engine) -> None:
     """Architecture, heads, sliding window, trained context and KV bytes of MODEL, per KV cache for
     swa_full on (llama-cpp-python's default) and off (llama.cpp's own tools: the sliding cache trimmed); with a
     budget, what generate allocates for it with the same options."""
@@ -523,15 +527,22 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, **engine)
     ctx_size = ctx_size or None  # 0: the trained context, as llama.cpp (and generate) take it
     # none (or --policy full over AHAKV_BUDGET, as generate takes them): the full caches alone; else one line for a
     # malformed budget or policy, before the model is read
+    from .policies import make_policy
+
+    make_policy(engine["policy"])  # (an unknown one with no budget too, as generate refuses it)
     budget = asked_budget(budget, engine["policy"])
     budget = None if budget is None else Budget.parse(budget)
-    if budget is not None:
-        from .policies import make_policy
-
-        make_policy(engine["policy"])
+    if budget is None:
+        refuse_unbounded_options(engine["policy"])  # as generate refuses them (they were ignored)
+    else:
         refuse_unguided_reading(engine["policy"], engine["reading"])  # as generate refuses it
+    if budget is not None and batch_size == 1 and engine["reading"] != "plain" and given("reading"):
+        raise AhakvError(
+            f"--reading {engine['reading']} guides a prompt read in chunks: --batch-size 1 reads a token at a time"
+        )
     rpc = parse_rpc(engine["rpc"])
     path = resolve_model(model, progress=True)
+    check_model(path, batch_size)
     model_info = read_info(path)
     if model_info.cut_short is not None:  # what its header says is still worth stating; loading it is not possible
         click.echo(f"note: {model_info.cut_short}: no command can load it", err=True)
@@ -556,7 +567,8 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, **engine)
         reading=engine["reading"],
         kv_type=kv_type,
     )
-    plan, cells = spec.check_drop_in(path, context, BUDGETED_BATCH, BUDGETED_BATCH)  # what generate refuses
+    chunk = batch_size or BUDGETED_BATCH  # generate's n_batch and n_ubatch under a budget
+    plan, cells = spec.check_drop_in(path, context, chunk, chunk)  # what generate refuses
     room = (
         "" if not plan.spec.room(plan.chunk) else ROOMS.get(plan.spec.reading, f"a {plan.spec.reading} reading's room")
     )

@@ -400,7 +400,7 @@ def describe(
         on_top = f"a prompt chunk of {at.chunk}" + (f" and {at.room}" if at.room else "")
         lines.append(
             f"KV at budget   {named}, {at.layer_budgets} layer budgets{typed}: {mib(allocated)} = {parts} "
-            f"(as generate{at_context} and serve{at_context} allocate it: {on_top} on top"
+            f"(as generate{at_context} and serve{at_context} allocate it for one sequence: {on_top} on top"
             + (f"; {how})" if at.layer_budgets == "adaptive" else ")")
         )
         if b.mode == "cells" and b.value >= context:

@@ -274,6 +274,10 @@ def test_info_without_a_sliding_window_has_one_baseline(fixture_model):
             {},
             r"error: --reading reconstruct needs a policy a question can guide",
         ),
+        # without a budget: the options of a bounded cache, an unknown policy (info stated the full caches)
+        (["--budget", "none", "--sinks", "10"], {}, r"error: --sinks applies to a bounded KV cache: give a --budget"),
+        (["--budget", "none", "--policy", "bogus"], {}, r"error: unknown policy 'bogus'"),
+        (["--budget", "64", "--batch-size", "1", "--reading", "query"], {}, r"error: --reading query guides a prompt"),
     ],
 )
 def test_info_refuses_what_generate_refuses_in_the_same_words(fixture_model, args, env, message):
@@ -367,6 +371,7 @@ def test_info_refuses_what_generate_refuses(gemma_model):
         (["--budget", "512", "--reading", "plain"], {}),
         (["--budget", "25%", "-c", "200"], {}),  # a ratio in 200 cells reads chunks of 50 (info stated 264 cells)
         (["--budget", "25%", "-c", "40000"], {}),  # past the trained context (info refused it; generate ran it)
+        (["--budget", "512", "--batch-size", "128"], {}),  # a chunk of 128 (info had no --batch-size: 641 cells)
     ],
 )
 def test_info_states_what_generate_allocates_with_the_same_options(gemma_model, args, env):
@@ -381,7 +386,8 @@ def test_info_states_what_generate_allocates_with_the_same_options(gemma_model, 
     assert (said.group(1), int(said.group(2).replace(",", ""))) == (done.group(2), int(done.group(1)))
     # what it holds on top is named as it is (a plain reading, or H2O, has no question's room)
     unguided = "plain" in args or env.get("AHAKV_POLICY") == "h2o"
-    assert ("a prompt chunk of 64 on top" in out) == unguided and ("a question's room on top" in out) != unguided
+    chunk = args[args.index("--batch-size") + 1] if "--batch-size" in args else "64"
+    assert (f"a prompt chunk of {chunk} on top" in out) == unguided and ("a question's room on top" in out) != unguided
 
 
 @pytest.mark.parametrize("reading", ["query", "reconstruct"])
