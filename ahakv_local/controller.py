@@ -630,10 +630,14 @@ class KVController:
         check_policy(policy, budget, self._full_cache_cells(), self.reach)
         check_floor(self.config, self.engine.cache_layout(), allocation, budget)
         if policy.evicts and (short := self._short_cache(budget)) is not None:
+            cells, held = short
             label = int(budget.value) if budget.mode == "cells" else budget
+            # (a byte budget below the bytes allocated read as a contradiction: 8 MiB "does not fit" 11.3 MiB's caches,
+            # where its layout holds 1,110 cells in each full-attention layer, the sliding ones held at their window)
+            laid = f" (laid out as {held} cells there)" if budget.mode == "bytes" else ""
             room = f" and a guided reading's room of {self.config.room}" if self.config.room else ""
             raise AhakvError(
-                f"budget {label} does not fit the {short} allocated cells with a prompt chunk of "
+                f"budget {label}{laid} does not fit the {cells} allocated cells with a prompt chunk of "
                 f"{self.engine.config.n_ubatch}{room}"
             )
 
@@ -732,15 +736,16 @@ class KVController:
         and a guided reading's room."""
         return self._short_cache(budget) is None
 
-    def _short_cache(self, budget: Budget) -> int | None:
-        """The cells of the first cache too small for its group's share of ``budget`` (None: they all fit). The room
+    def _short_cache(self, budget: Budget) -> tuple[int, int] | None:
+        """The cells of the first cache too small for its group's share of ``budget``, and the cells that share holds
+        (None: they all fit). The room
         counts: without it a chat's /budget 352 fitted Gemma's 417 cells opened for 256, and the next adaptive
         re-split laid the caches out for 352 and its room (513 cells, 23% more memory than the chat opened with)."""
         e, sizes = self.engine, self._sizes()
         groups = self.allocation(budget).groups
         for held, cells in zip(groups, [min(sizes)] if len(groups) == 1 else sizes, strict=True):
             if held.mode == "cells" and cells < cells_for(held, e.config.n_ubatch, 0, self.config.room):
-                return cells
+                return cells, int(held.value)
         return None
 
     def set_policy(self, policy: Policy) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -1179,3 +1180,18 @@ def test_a_reconstruction_with_a_policy_no_reading_guides_is_refused_in_its_own_
         with pytest.raises(AhakvError, match=r"needs a policy a question can guide .*, not h2o"):
             llm("the cat", max_tokens=2, kv_query="reconstruct")
         assert llm("the cat", max_tokens=2, kv_query="surprisal")["usage"]["completion_tokens"] >= 2  # (UTF-8 fix-up)
+
+
+def test_a_byte_budget_its_caches_cannot_hold_names_the_cells_it_lays_out(gemma_model):
+    """A server request's kv_budget of 8 MiB, below the 11.3 MiB a 512-cell server allocates, was refused as "budget
+    8 MiB does not fit the 641 allocated cells", which read as a contradiction: laid out, those bytes hold more cells
+    in a full-attention layer than 512 (the sliding layers are held at their window). The refusal names them."""
+    from ahakv_local.budget import Budget
+
+    with Llama(str(gemma_model), kv_budget=512, n_ctx=4096, n_batch=64, verbose=False) as llm:
+        with pytest.raises(AhakvError) as refused:
+            llm.kv_controller.check_budget(Budget.parse("8MiB"))
+    m = re.fullmatch(
+        r"budget 8 MiB \(laid out as (\d+) cells there\) does not fit the (\d+) allocated cells .*", str(refused.value)
+    )
+    assert m and int(m.group(1)) > 512 and int(m.group(2)) < int(m.group(1)), refused.value
