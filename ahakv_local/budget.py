@@ -112,7 +112,7 @@ class Budget:
         if self.mode == "cells":
             return f"{int(self.value)} cells"
         if self.mode == "ratio":
-            return f"{100 * self.value:g}%" + (f" (at most {self.cap} cells)" if self.cap is not None else "")
+            return f"{100 * self.value:.15g}%" + (f" (at most {self.cap} cells)" if self.cap is not None else "")
         if self.mode == "bytes":
             return format_bytes(int(self.value))
         if self.mode == "auto":
@@ -125,8 +125,9 @@ def as_option(budget: Budget) -> str:
     the caches', not the budget's)."""
     if budget.mode == "cells":
         return str(int(budget.value))
-    if budget.mode == "ratio":
-        return f"{100 * budget.value:g}%"
+    if budget.mode == "ratio":  # in percent where that reads back to the same ratio, else as the fraction it is
+        percent = f"{100 * budget.value:.15g}%"
+        return percent if float(percent[:-1]) / 100 == budget.value else repr(float(budget.value))
     if budget.mode == "bytes":
         return format_bytes(int(budget.value)).replace(" ", "")
     return budget.mode

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ahakv_local import Llama
-from ahakv_local.budget import NO_EVICTION, Budget, cells_for, holding_of
+from ahakv_local.budget import NO_EVICTION, Budget, as_option, cells_for, holding_of
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.errors import AhakvError
 from ahakv_local.evaluation import evaluate
@@ -38,6 +38,11 @@ def test_budget_meanings():
         "auto",
         "full cache",
     ]
+    # a ratio near 1 is said as it is, and said as --budget takes it, it reads back (":g" made 0.9999999999 "100%",
+    # which is refused); 0.07 stays "7%", not float's 7.000000000000001
+    near = Budget.parse("0.9999999999")
+    assert str(near) == "99.99999999%" and Budget.parse(as_option(near)) == near
+    assert as_option(Budget.parse("0.07")) == "7%" and Budget.parse(as_option(Budget.parse(1 / 3))).value == 1 / 3
     # a /budget or a request's kv_budget keeps the session's auto parameters
     opened = Budget.parse("auto", min_ratio=0.2, max_ratio=0.3, error_tol=0.05)
     assert opened.parsed("auto") == opened and opened.parsed("25%").error_tol == 0.05
