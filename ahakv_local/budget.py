@@ -82,7 +82,7 @@ class Budget:
             if not 0 < v < 1:
                 raise AhakvError(f"a budget in percent must be above 0% and below 100%, not {text!r}")
             return cls("ratio", v, **kw)
-        if math.isfinite(v) and v >= 1 and v == int(v):
+        if v < 2**1023 and math.isfinite(v) and v >= 1 and v == int(v):  # (an int past float's range: OverflowError)
             return cls("cells", int(v), **kw)
         if 0 < v < 1:
             return cls("ratio", v, **kw)

@@ -211,3 +211,5 @@ def test_bad_configurations_are_refused(fixture_model):
     assert Budget.parse("128") == Budget("cells", 128) and Budget.parse("0.2").mode == "ratio"
     # a whole number as written, past float's 53 bits too (it was refused as "budget 100000000000000000000 cells")
     assert Budget.parse("99999999999999999999").value == 99999999999999999999 and Budget.parse("1e3").value == 1000
+    with pytest.raises(AhakvError, match="budget must be"):  # past float's range (an OverflowError, a traceback)
+        Budget.parse("1" + "0" * 400)

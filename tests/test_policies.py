@@ -208,6 +208,9 @@ def test_ahakv_head_weights_learn_nothing_from_an_observation_without_rows():
     empty = dataclasses.replace(empty, n_rows=0, attn=np.zeros_like(empty.attn), side=np.zeros_like(empty.side))
     p.observe(dataclasses.replace(empty, verr=np.zeros_like(empty.verr)))
     np.testing.assert_array_equal(p.weights, before)
+    first = make_policy("ahakv")  # nor as the first observation (its weights began at focus 1)
+    first.observe(dataclasses.replace(empty, verr=np.zeros_like(empty.verr)))
+    assert first.weights is None
 
 
 def test_ahakv_lambda():

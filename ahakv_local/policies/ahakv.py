@@ -99,8 +99,9 @@ class AhaKV(Policy):
         n_layer, n_head = obs.attn.shape[:2]
         if not self.holistic_weights:
             return np.ones((n_layer, n_head))
-        if not obs.attn.any() and self.weights is not None and self.weights.shape == (n_layer, n_head):
-            return self.weights / self.weights.mean()  # no rows, no focus to learn (an empty head read as focus 1)
+        if not obs.attn.any():  # no rows, no focus to learn (an empty head read as focus 1)
+            known = self.weights is not None and self.weights.shape == (n_layer, n_head)
+            return self.weights / self.weights.mean() if known else np.ones((n_layer, n_head))
         focus = head_focus(obs)
         if self.weights is None or self.weights.shape != focus.shape:
             self.weights = focus
