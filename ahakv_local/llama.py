@@ -379,9 +379,11 @@ class Llama(llama_cpp.Llama):
             raise ValueError("kv_type sets K and V (type_k and type_v): give kv_type or type_k/type_v, not both")
         if kv_budget is None or Budget.parse(kv_budget).mode != "bytes":
             return None  # cells, a ratio or auto: counted in cells, K and V as upstream allocates them
-        names = {CACHE_GGML_TYPES_BY_ID[t] for t in given.values()}
-        if len(given) == 2 and len(names) == 1 and (name := names.pop()) in KV_CACHE_TYPES:
-            del kwargs["type_k"], kwargs["type_v"]  # (set again from kv_type, flash attention with them)
+        # (one of them alone: the other is upstream's default, f16)
+        names = {CACHE_GGML_TYPES_BY_ID[given.get(k, CACHE_GGML_TYPES["f16"])] for k in ("type_k", "type_v")}
+        if len(names) == 1 and (name := names.pop()) in KV_CACHE_TYPES:
+            for k in given:
+                del kwargs[k]  # (set again from kv_type, flash attention with them)
             return name
         raise ValueError(
             f"a budget in bytes counts K and V of kv_type ({', '.join(KV_CACHE_TYPES)}): give kv_type rather than "

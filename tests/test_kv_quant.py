@@ -225,6 +225,10 @@ def test_upstream_type_k_and_type_v_beside_kv_type_and_a_byte_budget(gemma_model
         Llama(str(gemma_model), kv_type="q8_0", type_k=2, type_v=2, verbose=False)
     with pytest.raises(ValueError, match="a budget in bytes counts K and V of kv_type"):
         Llama(str(gemma_model), kv_budget="2MiB", type_k=0, type_v=0, verbose=False)
+    with pytest.raises(ValueError, match="a budget in bytes counts K and V of kv_type"):  # V is upstream's f16
+        Llama(str(gemma_model), kv_budget="2MiB", type_k=8, flash_attn=True, verbose=False)
+    with Llama(str(gemma_model), kv_budget="8MiB", type_k=1, n_ctx=4096, n_batch=64, verbose=False) as f16:
+        assert f16.kv_stats().kv_type == "f16"  # upstream's default named: taken
     kw = dict(kv_budget="2MiB", n_ctx=4096, n_batch=64, verbose=False)
     with Llama(str(gemma_model), type_k=8, type_v=8, flash_attn=True, **kw) as pair:
         with Llama(str(gemma_model), kv_type="q8_0", **kw) as named:  # the same caches: q8_0 bytes
