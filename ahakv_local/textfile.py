@@ -20,6 +20,8 @@ MAX_TEXT_BYTES = 64 << 20
 def decode(data: bytes, where: str) -> str:
     """UTF-8 text, without the byte-order mark some editors write (an encoding's signature, which the model read as
     a token); NUL bytes are no text (UTF-16 without its mark, a binary file: read, they were tokens of garbage)."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16's byte-order mark (it read "not UTF-8 text (byte 0)")
+        raise AhakvError(f"{where} is UTF-16 text: convert it to UTF-8 first, e.g. with iconv -f UTF-16 -t UTF-8")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:

@@ -1570,3 +1570,19 @@ def test_a_ctrl_c_while_the_transcript_is_written_on_exit_keeps_it(chat, tmp_pat
     kept = list((tmp_path / "chats").iterdir())
     assert len(kept) == 1 and json.loads(kept[0].read_text())[1]["content"] == "hello"
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_crlf_input_is_read_as_its_lines(monkeypatch):
+    """Piped CRLF text kept each line's \\r (input() strips \\n only): it went to the model, and a line ending in a
+    backslash, "Say\\\\\\r", no longer continued the message. Lines are read without it, as LF input's are."""
+    from ahakv_local import chat as chat_module
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO())  # not a terminal: no prompts shown
+    for typed, expected in [
+        (["Say\\\r", "hello\r"], chat_module.Typed("Say\nhello", block=False, lines=2)),
+        (['"""\r', "one\r", "two\r", '"""\r'], chat_module.Typed("one\ntwo", block=True, lines=2)),
+        (["Hi there\r"], chat_module.Typed("Hi there", block=False, lines=1)),
+    ]:
+        lines = iter(typed)
+        monkeypatch.setattr("builtins.input", lambda prompt="", lines=lines: next(lines))
+        assert chat_module.read_message("> ") == expected

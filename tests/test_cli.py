@@ -618,7 +618,7 @@ def test_text_that_is_not_utf8(fixture_model, tmp_path):
         ahakv("generate", str(fixture_model), "-f", str(latin1)), r"error: .*latin1\.txt is not UTF-8 text \(byte 3\)"
     )
     assert_one_line_error(
-        ahakv("generate", str(fixture_model), stdin=b"\xff\xfe bad"), r"error: standard input is not UTF-8 text"
+        ahakv("generate", str(fixture_model), stdin=b"\xff bad"), r"error: standard input is not UTF-8 text"
     )
     # the measuring commands measured U+FFFD in place of each bad byte
     out = str(tmp_path / "out")
@@ -643,6 +643,11 @@ def test_a_byte_order_mark_is_no_text_and_nul_bytes_are_no_text_file(tmp_path):
         (tmp_path / name).write_bytes(data)
         with pytest.raises(AhakvError, match=rf"{name} is not UTF-8 text \(a NUL byte at \d+: UTF-16, or binary\?\)"):
             read_text(tmp_path / name)
+    # UTF-16 with its byte-order mark, either order, is named (it read "not UTF-8 text (byte 0)")
+    for encoding in ("utf-16-le", "utf-16-be"):
+        (tmp_path / "marked16.txt").write_bytes("\ufeffThe capital".encode(encoding))
+        with pytest.raises(AhakvError, match=r"marked16.txt is UTF-16 text: convert it to UTF-8 first"):
+            read_text(tmp_path / "marked16.txt")
 
 
 def test_a_text_without_end_is_refused_not_read_until_memory_runs_out(fixture_model):
