@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import stat
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -40,3 +42,43 @@ def write_text(path: Path, text: str) -> None:
     """``path.write_text(text)``, whole or not at all (``replaced``), as UTF-8."""
     with replaced(path) as f:
         f.write(text.encode("utf-8"))
+
+
+@contextlib.contextmanager
+def written_to(path: Path) -> Iterator[Path]:
+    """A path of this call's own beside ``path``, for a writer that opens files by name (the GGUF writer, the default
+    model's assembly), renamed over ``path`` when the block ends without an error and removed otherwise, as
+    ``replaced`` does for a file object. Its name is its own (mkstemp): writers sharing "FILE.tmp" truncated one
+    another's, and one renamed a 24-byte model into place under another run. Leftovers of a run killed meanwhile
+    (SIGKILL, or a SIGTERM that no handler turned into SystemExit) are removed first once they are ``STALE_S`` old."""
+    remove_stale(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name[:200]}.", suffix=".part", dir=path.parent)
+    os.close(fd)
+    tmp: Path | None = Path(name)
+    try:
+        os.chmod(tmp, 0o666 & ~umask())  # (mkstemp's 0600: another user of a shared cache could not read it)
+        yield tmp
+        os.replace(tmp, path)
+        tmp = None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+# a leftover no write has touched for this long is a killed run's (a live one writes on: the default model's 250 MB
+# take seconds)
+STALE_S = 600.0
+
+
+def remove_stale(path: Path) -> list[Path]:
+    """Remove ``written_to``'s leftovers beside ``path`` unwritten for ``STALE_S``: a first run stopped by SIGTERM or
+    SIGKILL while assembling the default model left a hidden copy of up to 250 MB in the cache, one per run, for good.
+    Returns what went."""
+    gone = []
+    for leftover in path.parent.glob(f".{glob.escape(path.name[:200])}.*.part"):
+        with contextlib.suppress(OSError):
+            if time.time() - leftover.stat().st_mtime > STALE_S:
+                leftover.unlink()
+                gone.append(leftover)
+    return gone

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import written_to
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "cohere2", "starcoder2")
 SLIDING = {"gemma2", "gemma3", "cohere2"}  # sliding window on layer 0 (pattern 2), full attention on layer 1
 LAYER_NORM = {"cohere2", "starcoder2"}  # LayerNorm (starcoder2 with biases everywhere) instead of RMSNorm
@@ -139,8 +141,15 @@ def write_fixture(path: str | Path, spec: FixtureSpec = FixtureSpec()) -> Path:
     tokens, scores, types = vocab()
     arch, hp = spec.arch, ARCH_HPARAMS
 
-    tmp = path.with_suffix(".tmp")
-    w = gguf.GGUFWriter(str(tmp), arch)
+    with written_to(path) as tmp:  # (a name of its own: runs sharing "X.tmp" renamed each other's half-written files)
+        _write(gguf.GGUFWriter(str(tmp), arch), spec, arch, hp, tokens, scores, types)
+    return path
+
+
+def _write(w, spec: FixtureSpec, arch: str, hp: dict, tokens, scores, types) -> None:
+    """The fixture's header and random tensors, through the GGUF writer ``w``."""
+    import gguf
+
     w.add_name("ahakv-fixture")
     w.add_context_length(spec.n_ctx_train)
     w.add_embedding_length(spec.n_embd)
@@ -180,5 +189,3 @@ def write_fixture(path: str | Path, spec: FixtureSpec = FixtureSpec()) -> Path:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    tmp.replace(path)  # atomic: a half-written fixture never looks valid
-    return path

