@@ -71,14 +71,11 @@ def written_to(path: Path) -> Iterator[Path]:
 STALE_S = 600.0
 
 
-def remove_stale(path: Path) -> list[Path]:
+def remove_stale(path: Path) -> None:
     """Remove ``written_to``'s leftovers beside ``path`` unwritten for ``STALE_S``: a first run stopped by SIGTERM or
-    SIGKILL while assembling the default model left a hidden copy of up to 250 MB in the cache, one per run, for good.
-    Returns what went."""
-    gone = []
+    SIGKILL while assembling the default model left a hidden copy of up to 250 MB in the cache, one per run, for
+    good."""
     for leftover in path.parent.glob(f".{glob.escape(path.name[:200])}.*.part"):
         with contextlib.suppress(OSError):
             if time.time() - leftover.stat().st_mtime > STALE_S:
                 leftover.unlink()
-                gone.append(leftover)
-    return gone

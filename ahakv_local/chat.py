@@ -321,19 +321,23 @@ def read_message(prompt: str) -> Typed:
     if sys.stdin is None:  # closed (`<&-`): as the input's end
         raise EOFError
     more = "... " if sys.stdin.isatty() else ""
-    # a line of CRLF input keeps its \r in input(): it went to the model, and a continued line ending "\\\r" ended
-    first = input(prompt if more else "").removesuffix("\r")
+
+    def line(shown: str) -> str:
+        # a line of CRLF input keeps its \r in input(): it went to the model, and a continued line ending "\\\r" ended
+        return input(shown).removesuffix("\r")
+
+    first = line(prompt if more else "")
     if first.strip() == '"""':
         lines = []
         with contextlib.suppress(EOFError):
-            while (line := input(more).removesuffix("\r")).strip() != '"""':
-                lines.append(line)
+            while (typed := line(more)).strip() != '"""':
+                lines.append(typed)
         return Typed("\n".join(lines), block=True, lines=len(lines))
     lines = [first]
     with contextlib.suppress(EOFError):
         while lines[-1].endswith("\\"):
             lines[-1] = lines[-1][:-1]
-            lines.append(input(more).removesuffix("\r"))
+            lines.append(line(more))
     return Typed("\n".join(lines), block=False, lines=len(lines))
 
 

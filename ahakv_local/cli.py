@@ -225,6 +225,13 @@ batch_size_option = click.option(
 )
 
 
+def refuse_guide_token_by_token(reading: str, batch_size: int | None) -> None:
+    """Refuse a --reading given for a prompt read a token at a time: that is decode steps, which no question or
+    reconstruction guides (it was ignored)."""
+    if batch_size == 1 and reading != "plain" and given("reading"):
+        raise AhakvError(f"--reading {reading} guides a prompt read in chunks: --batch-size 1 reads a token at a time")
+
+
 def check_model(path, batch_size: int | None) -> None:
     """One-line errors before llama.cpp reads the model: an unsupported architecture, a batch past the trained context
     (llama-cpp-python holds batch x vocabulary logits: Gemma 3's --batch-size 100000 asked for 97.7 GiB)."""
@@ -297,11 +304,9 @@ def load_llama(
     budget = asked_budget(budget, policy)
     if budget is None:
         refuse_unbounded_options(policy)
-    if budget is not None:
+    else:
         refuse_unguided_reading(policy, reading)
-    if budget is not None and batch_size == 1 and reading != "plain" and given("reading"):
-        # a prompt read a token at a time is decode steps: no question or reconstruction guides it (it was ignored)
-        raise AhakvError(f"--reading {reading} guides a prompt read in chunks: --batch-size 1 reads a token at a time")
+        refuse_guide_token_by_token(reading, batch_size)
     if budget is not None:
         Budget.parse(budget)  # a clear error for a malformed budget; the controller checks its size
     evict_every, observe_steps = parse_schedule(evict_every, observe_steps)
@@ -522,13 +527,12 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, batch_siz
     from .budget import Budget, default_layer_budgets
     from .info import BudgetAllocation, check_kv_types, describe, read_info
     from .models import resolve_model
+    from .policies import make_policy
     from .session import SessionSpec
 
     ctx_size = ctx_size or None  # 0: the trained context, as llama.cpp (and generate) take it
     # none (or --policy full over AHAKV_BUDGET, as generate takes them): the full caches alone; else one line for a
     # malformed budget or policy, before the model is read
-    from .policies import make_policy
-
     make_policy(engine["policy"])  # (an unknown one with no budget too, as generate refuses it)
     budget = asked_budget(budget, engine["policy"])
     budget = None if budget is None else Budget.parse(budget)
@@ -536,10 +540,7 @@ def info(model, budget, ctx_size, ubatch_size, layer_budgets, kv_type, batch_siz
         refuse_unbounded_options(engine["policy"])  # as generate refuses them (they were ignored)
     else:
         refuse_unguided_reading(engine["policy"], engine["reading"])  # as generate refuses it
-    if budget is not None and batch_size == 1 and engine["reading"] != "plain" and given("reading"):
-        raise AhakvError(
-            f"--reading {engine['reading']} guides a prompt read in chunks: --batch-size 1 reads a token at a time"
-        )
+        refuse_guide_token_by_token(engine["reading"], batch_size)
     rpc = parse_rpc(engine["rpc"])
     path = resolve_model(model, progress=True)
     check_model(path, batch_size)

@@ -633,7 +633,7 @@ class KVController:
             cells, held = short
             label = int(budget.value) if budget.mode == "cells" else budget
             # (a byte budget below the bytes allocated read as a contradiction: 8 MiB "does not fit" 11.3 MiB's caches,
-            # where its layout holds 1,110 cells in each full-attention layer, the sliding ones held at their window)
+            # where its layout holds 981 cells in a full-attention layer, the sliding ones held at their window)
             laid = f" (laid out as {held} cells there)" if budget.mode == "bytes" else ""
             room = f" and a guided reading's room of {self.config.room}" if self.config.room else ""
             raise AhakvError(
