@@ -644,6 +644,11 @@ def load_pool(
         raise AhakvError(f"--parallel needs a policy that evicts: {policy} keeps every token, and each sequence "
                          "holds at most its budget in the context they share")  # fmt: skip
     refuse_unguided_reading(policy, reading)
+    if given("ctx_size"):  # (it was ignored: each sequence reaches the model's trained context, as its prompt can)
+        raise AhakvError(
+            "--parallel sizes its context by --budget and --parallel, and a request reaches the model's trained "
+            "context: drop -c"
+        )
     if layer_budgets not in (None, "shared"):  # its default: the sequences of one context share one pool each
         raise AhakvError("--parallel needs --layer-budgets shared")
     if extra.get("kv_type") not in (None, KV_TYPE_AUTO, "f16"):  # auto: f16 for a budget in cells

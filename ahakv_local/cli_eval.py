@@ -263,6 +263,8 @@ def eval_ppl(
     from .session import SessionSpec
 
     names = _policies(policies)  # the user's own mistakes before the model is read
+    if ablations and ablations_at:  # (--ablations-at was dropped: its rows ran at every budget, its own at none)
+        raise AhakvError("give --ablations (at every budget) or --ablations-at (at these budgets), not both")
     for given in filter(None, (budgets, ablations_at)):  # their grammar now; their cells once the text's length is
         _cells(given, 1, 1)
     layouts = _layer_budgets(layer_budgets)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -122,7 +123,7 @@ def resolve_model(model: str | None, progress: bool = False) -> Path:
         return default_model_path(progress)
     if model == FIXTURE_MODEL:
         return fixture_path()
-    path = Path(model).expanduser()
+    path = Path(os.path.expanduser(model))  # (Path.expanduser raises on "~nobody/m.gguf": "not found" here)
     if path.is_dir():
         raise AhakvError(f"{path} is a folder, not a model file (give the .gguf inside it)")
     if path.exists() and not path.is_file():  # (/dev/null, a FIFO: "model file not found")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -82,9 +83,10 @@ def check_outputs(out: Path, figure: str | None = None, inputs: tuple[str, ...] 
     for name in names:
         if (out / name).is_dir():
             raise AhakvError(f"cannot write the outputs to {out}: {out / name} is a folder")
-    written = {(out / name).resolve() for name in names}
+    # (realpath: Path.resolve raised RuntimeError on a loop of links, a traceback; reading the loop says it in a line)
+    written = {os.path.realpath(out / name) for name in names}
     for given in inputs:
-        if Path(given).resolve() in written:
+        if os.path.realpath(given) in written:
             raise AhakvError(f"{given} is an input of this run and a file its report writes: give another --out")
     if _report_config(out) is None:
         theirs = [name for name in names if (out / name).exists()]

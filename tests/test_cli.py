@@ -521,6 +521,12 @@ def test_bad_option_values_are_one_line(fixture_model):
             r"error: budget 450 cells holds the whole text",
             1,
         ),
+        # --ablations-at beside --ablations was dropped without a word (the ablations ran at every budget)
+        (
+            ["eval", "ppl", "--tokens", "400", "--budgets", "64", "--ablations", "--ablations-at", "96"],
+            r"error: give --ablations \(at every budget\) or --ablations-at \(at these budgets\), not both$",
+            1,
+        ),
         (
             ["eval", "ppl", "--tokens", "400", "--budgets", "128,500"],
             r"error: budget 500 cells holds the whole text \(400 tokens\): nothing is evicted$",
@@ -838,6 +844,13 @@ def test_serve_parallel_past_the_batch_or_llama_cpp_s_sequences_is_refused(fixtu
     ]
     proc = ahakv("serve", str(fixture_model), "--parallel", "300", "--budget", "128", "--port", "1")
     assert proc.returncode == 2 and "'--parallel': 300 is not in the range 1<=x<=256" in proc.stderr
+    # -c was taken and ignored: each sequence reaches the model's trained context, as its prompt can
+    for ctx in (["-c", "4096"], ["--ctx-size", "100"]):
+        proc = ahakv("serve", str(fixture_model), "--parallel", "2", "--budget", "128", "--port", "1", *ctx)
+        assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+            "error: --parallel sizes its context by --budget and --parallel, and a request reaches the model's trained "
+            "context: drop -c"
+        ]
 
 
 def test_an_environment_budget_or_worker_has_a_way_out(fixture_model, tmp_path):
@@ -1264,6 +1277,23 @@ def test_without_a_home_folder_the_cache_is_one_line_and_a_chat_keeps_its_conver
     chat_module.keep_transcript(Said())
     err = capsys.readouterr().err
     assert "error: cannot keep the conversation: no home folder" in err and '"content": "hello"' in err
+
+
+def test_a_home_folder_of_no_user_and_a_loop_of_links_are_one_line(tmp_path):
+    """``~user`` of a user that does not exist made Path.expanduser raise RuntimeError: a traceback from every command
+    (the cache folder's variables) and from a model's path; a loop of symbolic links given to an evaluation's --text
+    was a RuntimeError of Path.resolve in the outputs' check. Each is a one-line error now."""
+    nobody = "~ahakv-no-such-user-7f3a"
+    env = {k: v for k, v in os.environ.items() if k not in ("AHAKV_CACHE_DIR", "XDG_CACHE_HOME")}
+    for var, value in (("AHAKV_CACHE_DIR", f"{nobody}/cache"), ("XDG_CACHE_HOME", nobody)):
+        proc = ahakv("model-path", "fixture", env={**env, var: value}, cwd=tmp_path)
+        assert_one_line_error(proc, rf"^error: {var}={re.escape(value)}: {nobody} has no home folder$")
+        assert not any(tmp_path.iterdir())  # (not a folder named "~ahakv-..." here)
+    proc = ahakv("model-path", f"{nobody}/m.gguf")
+    assert_one_line_error(proc, rf"^error: model file not found: {nobody}/m.gguf$")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    proc = ahakv("eval", "ppl", "fixture", "--text", str(tmp_path / "loop"), "--out", str(tmp_path / "out"))
+    assert_one_line_error(proc, rf"^error: cannot read {tmp_path}/loop: Too many levels of symbolic links$")
 
 
 def test_the_default_model_is_readable_by_others_and_a_damaged_stamp_assembles_it_again(tmp_path, monkeypatch):
