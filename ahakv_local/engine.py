@@ -509,8 +509,12 @@ class Engine:
             end = self.n_past + len(tokens)
             raise AhakvError(f"position {end} is past the model's trained context {self.n_ctx_train}")
         rows = []
-        for start in range(0, len(tokens), self.config.n_batch):
-            chunk = list(tokens[start : start + self.config.n_batch])
+        # one ubatch a call: llama.cpp places every ubatch of a call on trial before computing the first, and a trial
+        # in a trimmed sliding-window cache whose cells no longer follow positions (holes refilled after an eviction)
+        # purges positions the earlier ubatches still see: their logits came out wrong (up to 2.2 in a logit)
+        step = min(self.config.n_batch, self.config.n_ubatch)
+        for start in range(0, len(tokens), step):
+            chunk = list(tokens[start : start + step])
             n = len(chunk)
             self._fill([(t, self.n_past + i, self.seq, all_logits or i == n - 1) for i, t in enumerate(chunk)])
             self._run_batch()

@@ -161,6 +161,27 @@ print("diff", float(np.abs(small - ref).max()), "scale", float(np.abs(ref).max()
     assert diff <= 2 * 16 * 256 * F32 * scale, (diff, scale)
 
 
+def test_a_decode_of_several_ubatches_after_an_eviction_reads_what_each_ubatch_sees(gemma3_fixture, license_text):
+    """llama.cpp places every ubatch of a call on trial before it computes the first. In a trimmed sliding-window
+    cache whose holes an eviction left were refilled (its cells no longer in order of position), the trial of the
+    second ubatch purged positions the first still sees: the first ubatch's logits depended on tokens after it (by up
+    to 2.2 here; 3 of 64 argmaxes changed on Gemma 3 270M). The engine decodes one ubatch a call, so rows 36..51
+    decoded alone and decoded with 52..67 behind them are the same computation over the same cells: equal bits."""
+    victims = [3, 5, 7, 13, 14, 15, 16, 21, 22, 23, 25, 29, 31]  # holes below the 24-position window's reach
+
+    def rows(n_new: int, evict: bool) -> np.ndarray:
+        config = EngineConfig(n_ctx=256, n_batch=32, n_ubatch=16, type_k="f32", type_v="f32", n_threads=1)
+        with Engine(str(gemma3_fixture), config) as e:
+            tokens = e.tokenize(license_text)[:68]
+            e.decode(tokens[:36])
+            if evict:
+                e.evict(victims)
+            return e.decode(tokens[36 : 36 + n_new], all_logits=True)[:16]
+
+    for evict in (False, True):
+        assert np.array_equal(rows(16, evict), rows(32, evict)), evict
+
+
 def test_a_thread_count_past_ggml_s_most_is_refused_before_the_first_decode(fixture_model):
     """n_threads=100000 was taken by the engine and the drop-in, and the first decode aborted the process
     (std::bad_alloc); the command line and AHAKV_THREADS already refused it."""
