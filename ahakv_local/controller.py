@@ -771,6 +771,9 @@ class KVController:
             g.best[:] = np.nan
             g.obs = None
         self._pending = 0
+        # and so do the tap's sums: llama.cpp's whole-context load (the drop-in's) leaves the last sequence's on the
+        # cells it writes
+        self.engine.reset_stats()
         self._tap = None  # nothing read for the policy yet (an eviction takes the oldest first: ``_evict``)
         for g in self.groups:
             g.decided = None  # the budget's own target: the saved sequence's last decision is not this one's

@@ -720,6 +720,10 @@ def test_a_loaded_state_answers_alike_whatever_the_llama_read_before(fixture_mod
                 assert any(np.isfinite(g.best).any() for g in llm.kv_controller.groups)  # scored
             llm.load_state(state)
             assert not any(np.isfinite(g.best).any() for g in llm.kv_controller.groups)  # none scored
+            # and the tap's sums over the cells start over (llama.cpp's whole-context load left the last sequence's
+            # rows on the cells it wrote, where the one-sequence load zeroes them)
+            e = llm.kv_engine
+            assert e.stat_rows == 0 and not any(e.stat_by_cell("attn", il).any() for il in range(e.n_layer))
             llm.eval(more)
             runs.append((llm.kv_controller.live.copy(), np.array(llm.eval_logits[-1])))
     np.testing.assert_array_equal(runs[1][0], runs[0][0])
