@@ -419,7 +419,7 @@ class Llama(llama_cpp.Llama):
         return {
             "policy": self._asked["kv_policy"],
             "n_ctx": self._asked["n_ctx"],
-            "n_ubatch": self._kv_engine.config.n_ubatch,
+            "n_ubatch": self.kv_engine.config.n_ubatch,  # (a vocab_only model's ValueError, not an AttributeError)
         }
 
     @property
@@ -491,7 +491,7 @@ class Llama(llama_cpp.Llama):
         """llama-cpp-python's, plus ``kv_query``: the question a long prompt is read with (see the module)."""
         if kv_query is None:
             kv_query = self._chat_question if self._chat_question is not None else self._kv_query_default
-        logprobs = kwargs.get("logprobs", args[6] if len(args) > 6 else None)
+        logprobs = upstream.bound_arguments("create_completion", prompt, *args, **kwargs).arguments.get("logprobs")
         if self._kv is not None and logprobs is not None:  # (upstream's refusal said to open it with logits_all=True,
             raise ValueError(  # which a budget refuses)
                 "logprobs need every prompt token's logits (logits_all), which a bounded cache does not keep: ask "
@@ -501,15 +501,16 @@ class Llama(llama_cpp.Llama):
         return super().create_completion(prompt, *args, **kwargs)
 
     @one_call_at_a_time
-    def sample(self, *args, idx: int | None = None, **kwargs):
+    def sample(self, *args, **kwargs):
         """llama_cpp.Llama's; an ``idx`` whose logits llama.cpp does not hold (without logits_all, any but the last
         token's) is a ValueError: llama.cpp aborted the process (as under llama_cpp.Llama)."""
+        idx = upstream.bound_arguments("sample", *args, **kwargs).arguments.get("idx")
         if idx is not None and not self._logits_all and idx != self.n_tokens - 1:
             raise ValueError(
                 f"sample(idx={idx}): llama.cpp holds the logits of the last token only (idx {self.n_tokens - 1}); "
                 "open the Llama with logits_all=True for the others"
             )
-        return super().sample(*args, idx=idx, **kwargs)
+        return super().sample(*args, **kwargs)
 
     def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
         """llama_cpp.Llama's; a token id outside the vocabulary is a ValueError (llama.cpp aborted the process)."""
@@ -529,8 +530,9 @@ class Llama(llama_cpp.Llama):
         """llama-cpp-python's; a long conversation is read guided by its last user message by default. OpenAI's
         ``response_format`` of type ``json_schema``, which llama-cpp-python 0.3.36 ignores (the answer came as prose),
         is sampled as its ``json_object`` with that schema."""
-        if kwargs.get("response_format"):
-            kwargs["response_format"] = llama_response_format(kwargs["response_format"])
+        call = upstream.bound_arguments("create_chat_completion", messages, *args, **kwargs)
+        if call.arguments.get("response_format"):  # (given by name or by position)
+            call.arguments["response_format"] = llama_response_format(call.arguments["response_format"])
         if kv_query is None:
             kv_query = self._kv_query_default
         if kv_query is True:  # the question is the last user message, not the template's last paragraph
@@ -541,7 +543,7 @@ class Llama(llama_cpp.Llama):
             kv_query = text if text.strip() else False
         self._chat_question = kv_query
         try:
-            return super().create_chat_completion(messages, *args, **kwargs)
+            return upstream.call_bound(super().create_chat_completion, call)
         finally:
             self._chat_question = None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import inspect
 import logging
 import sys
 import threading
@@ -215,6 +216,21 @@ def new_batch(n_tokens: int, verbose: bool):
     from llama_cpp import _internals
 
     return _internals.LlamaBatch(n_tokens=n_tokens, embd=0, n_seq_max=1, verbose=verbose)
+
+
+def bound_arguments(method: str, *args, **kwargs) -> inspect.BoundArguments:
+    """``args`` and ``kwargs`` bound to ``llama_cpp.Llama.<method>``'s parameters (``self`` a placeholder): what an
+    override reads by name (``arguments.get(name)``: None where the caller left it out), however the caller passed
+    it (``response_format`` given by position skipped its translation, ``sample``'s ``idx`` by position was a
+    TypeError). Upstream's TypeError for a call it would refuse."""
+    import llama_cpp
+
+    return inspect.signature(getattr(llama_cpp.Llama, method)).bind(None, *args, **kwargs)
+
+
+def call_bound(f: Callable, bound: inspect.BoundArguments) -> Any:
+    """``f`` (a bound method) called with ``bound``'s arguments, ``self`` left out."""
+    return f(*bound.args[1:], **bound.kwargs)
 
 
 def handles(llm) -> tuple[Any, Any, Any]:

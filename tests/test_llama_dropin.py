@@ -979,6 +979,34 @@ for budget in (None, 64):
     assert [line[: len(refused)] for line in proc.stdout.splitlines()] == [refused, "last: True"] * 2
 
 
+def test_arguments_given_by_position_are_read_as_by_name(fixture_model):
+    """The overrides read ``sample``'s ``idx`` and ``create_chat_completion``'s ``response_format`` by name alone:
+    ``sample(..., idx)`` by position was a TypeError (llama_cpp.Llama takes it), and a json_schema format given by
+    position skipped its translation (the answer came in prose, where by name it is refused for want of a schema)."""
+    import inspect
+
+    def positional(method: str, **given) -> list:
+        """upstream's defaults, in order, up to the last parameter ``given`` names, with ``given``'s values"""
+        params = list(inspect.signature(getattr(llama_cpp.Llama, method)).parameters.values())[1:]
+        last = max(i for i, p in enumerate(params) if p.name in given)
+        return [given.get(p.name, p.default) for p in params[: last + 1]]
+
+    with Llama(str(fixture_model), kv_budget=64, verbose=False) as llm:
+        llm.eval([1, 5, 6])
+        by_name = llm.sample(temp=0.0, idx=2)
+        assert llm.sample(*positional("sample", temp=0.0, idx=2)) == by_name
+        with pytest.raises(ValueError, match=r"sample\(idx=0\): llama.cpp holds the logits of the last token only"):
+            llm.sample(*positional("sample", idx=0))
+        messages = [{"role": "user", "content": "hello"}]
+        fmt = {"type": "json_schema", "json_schema": {"name": "x"}}  # no schema: refused, however given
+        for args, kwargs in (
+            ((), {"response_format": fmt}),
+            (positional("create_chat_completion", response_format=fmt)[1:], {}),
+        ):
+            with pytest.raises(ValueError, match="response_format of type json_schema needs"):
+                llm.create_chat_completion(messages, *args, max_tokens=2, **kwargs)
+
+
 def test_under_a_budget_logprobs_are_refused_and_a_failed_decode_is_a_runtime_error_too(fixture_model):
     """logprobs under a budget got upstream's "not supported for models created with logits_all=False", whose advice
     a budget refuses; a failed llama_decode was an AhakvError (a ValueError) where llama_cpp.Llama raises a
@@ -1055,6 +1083,8 @@ def test_a_vocab_only_model_tokenizes_as_upstream(gemma_model):
         assert llm.detokenize(tokens).decode() == upstream_llm.detokenize(tokens).decode()
         with pytest.raises(ValueError, match="a vocab_only model has no layers and no KV cache"):
             llm.kv_stats()
+        with pytest.raises(ValueError, match="a vocab_only model has no layers and no KV cache"):
+            _ = llm.kv_laid_out_for  # (an AttributeError on None)
     finally:
         llm.close()
         upstream_llm.close()
