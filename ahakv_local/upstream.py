@@ -172,14 +172,42 @@ def _print_ggml_log(level: int, text: bytes, _user_data) -> None:
             print(text.decode("utf-8", errors="replace"), end="", flush=True, file=sys.stderr)
 
 
+# a KeyboardInterrupt Python raised inside ``_print_ggml_log`` (a Ctrl-C while llama.cpp logs, as it does all through a
+# model's load), which ctypes drops: ``interrupts_kept`` raises it when the call into llama.cpp returns
+_interrupt_lost = False
+_unraisable_hook = None  # the hook ``_keep_lost_interrupt`` passes everything else to
+
+
+def _keep_lost_interrupt(unraisable) -> None:
+    global _interrupt_lost
+    if unraisable.exc_type is KeyboardInterrupt and unraisable.object is _print_ggml_log:
+        _interrupt_lost = True
+    elif _unraisable_hook is not None:
+        _unraisable_hook(unraisable)
+
+
+@contextlib.contextmanager
+def interrupts_kept():
+    """Raise at the end of the block a Ctrl-C that came while llama.cpp called back into Python to log: ctypes drops an
+    exception raised in a callback, so a model went on loading and ``serve`` and ``chat`` ignored a Ctrl-C given
+    while they loaded (they ran on, answering)."""
+    global _interrupt_lost
+    _interrupt_lost = False  # (one lost outside such a block, in a decode's log line, is not raised later here)
+    yield
+    if _interrupt_lost:
+        _interrupt_lost = False
+        raise KeyboardInterrupt
+
+
 def use_ggml_log_levels() -> None:
     """Route llama.cpp's log through ``_print_ggml_log`` (once): from ``native.lib()``, which every command and
     every Engine binds first, and from the Llama drop-in's load, which may come before it."""
-    global _log_callback, _llama_logger
+    global _log_callback, _llama_logger, _unraisable_hook
     if _log_callback is None:
         import llama_cpp
         from llama_cpp import _logger
 
+        _unraisable_hook, sys.unraisablehook = sys.unraisablehook, _keep_lost_interrupt
         _llama_logger = _logger.logger
         _log_callback = llama_cpp.llama_log_callback(_print_ggml_log)
         llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
@@ -201,7 +229,7 @@ def load_model(path: str, params, verbose: bool):
     """A ``LlamaModel`` owning the native model (ValueError if llama.cpp cannot load it)."""
     from llama_cpp import _internals
 
-    with LOADING:
+    with LOADING, interrupts_kept():
         return _internals.LlamaModel(path_model=path, params=params, verbose=verbose)
 
 
@@ -209,7 +237,8 @@ def new_context(model, params, verbose: bool):
     """A ``LlamaContext`` (ValueError if llama.cpp cannot create it)."""
     from llama_cpp import _internals
 
-    return _internals.LlamaContext(model=model, params=params, verbose=verbose)
+    with interrupts_kept():
+        return _internals.LlamaContext(model=model, params=params, verbose=verbose)
 
 
 def new_batch(n_tokens: int, verbose: bool):

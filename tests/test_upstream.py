@@ -3,6 +3,9 @@ version, and another version is refused with one line."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import llama_cpp
 import pytest
 
@@ -166,3 +169,42 @@ def test_the_drop_in_s_call_is_its_create_completion_as_upstream_s_is():
     assert [(p.name, p.default, p.kind) for p in called.values()] == [
         (p.name, p.default, p.kind) for p in completion.values()
     ]
+
+
+def test_a_ctrl_c_while_llama_cpp_logs_interrupts_the_load(fixture_model):
+    """Python raises a Ctrl-C at its next bytecode, which during a model's load is in llama.cpp's log callback; ctypes
+    drops an exception raised there ("Exception ignored on calling ctypes callback function", hidden by the quiet
+    load), so the load went on and `serve` and `chat` ignored a Ctrl-C given while they loaded. Here the first line
+    llama.cpp logs comes with a SIGINT (deterministic, unlike a timed signal): the drop-in's load and an engine's each
+    end in KeyboardInterrupt. In a child process: the interrupt is the process's."""
+    script = f"""
+import signal, sys
+from ahakv_local import Llama
+from ahakv_local.engine import Engine, EngineConfig
+
+class Tripwire:
+    def __init__(self, real):
+        self.real, self.armed = real, True
+    def write(self, s):
+        if self.armed:
+            self.armed = False
+            signal.raise_signal(signal.SIGINT)
+        return self.real.write(s)
+    def flush(self):
+        self.real.flush()
+
+path = {str(fixture_model)!r}
+for name, load in (("drop-in", lambda: Llama(path, n_ctx=64, verbose=True)),
+                   ("engine", lambda: Engine(path, EngineConfig(n_ctx=64, verbose=True)))):
+    sys.stderr = Tripwire(sys.__stderr__)  # (verbose: llama.cpp's lines go through it)
+    try:
+        load()
+        print(name, "loaded")
+    except KeyboardInterrupt:
+        print(name, "interrupted")
+    finally:
+        sys.stderr = sys.__stderr__
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["drop-in interrupted", "engine interrupted"]
