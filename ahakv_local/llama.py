@@ -400,7 +400,8 @@ class Llama(llama_cpp.Llama):
     def _load(self, model_path: str, **kwargs) -> None:
         """llama_cpp.Llama's constructor, with the model on the RPC workers and the repacking asked for."""
         upstream.use_ggml_log_levels()
-        with upstream.model_params_hook(lambda p: rpc.configure(p, self._rpc_devices, self._repack_weights)):
+        hook = upstream.model_params_hook(lambda p: rpc.configure(p, self._rpc_devices, self._repack_weights))
+        with hook, upstream.interrupts_kept():
             super().__init__(model_path, **kwargs)
         upstream.use_transcript_without_template(self, kwargs)
 
