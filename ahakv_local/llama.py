@@ -58,6 +58,7 @@ from .info import KV_CACHE_TYPES, KV_TYPES, check_kv_types, read_info, reading_h
 from .native import MAX_THREADS
 from .policies import KINDS, check_guided, make_policy
 from .session import SessionSpec, check_kv_query, guide_of
+from .stream_text import completion_text, ready_text, stop_strings
 from .textfile import last_paragraph
 
 # the ggml types llama.cpp's own tools offer for a KV cache (--cache-type-k), by their ggml_type number
@@ -279,6 +280,7 @@ class Llama(llama_cpp.Llama):
         self._kv_guide = None  # what the next prompt is read with (set per request)
         self._context_full = False  # the last completion ended because the context was full (``_counted``)
         self._usage = [0, 0]  # the last completion's prompt and completion tokens (``last_usage``)
+        self._sampled: tuple[list[int], list[int]] = ([], [])  # the last generate's prompt and tokens (``_restreamed``)
         self._sampling = False  # a completion's prompt is read: what is decoded now counts as prompt (``_count``)
         # llama.cpp holds logits to sample from: something was decoded since the context was made or a state loaded
         self._has_logits = False
@@ -627,6 +629,7 @@ class Llama(llama_cpp.Llama):
             self.n_tokens = 0
             self._requires_eval = True
         self._usage = [len(tokens), 0]
+        self._sampled = (list(tokens), [])
         return self._counted(super().generate(tokens, *args, **kwargs), llama_cpp.llama_model_get_vocab(self.model))
 
     @property
@@ -657,6 +660,7 @@ class Llama(llama_cpp.Llama):
                 self._timing["sampled"] += 1
                 if not llama_cpp.llama_vocab_is_eog(vocab, token):  # the completion ends before it
                     self._usage[1] += 1
+                    self._sampled[1].append(token)
                 sent = yield token
                 if self.n_tokens + 1 + len(sent or ()) > self.n_ctx():  # the token, and what was sent back with it
                     tokens.close()
@@ -692,6 +696,10 @@ class Llama(llama_cpp.Llama):
         self._context_full = False
         guide = self._kv_guide  # this request's (set by its call; a later call may have set its own since)
         completion = super()._create_completion(*args, **kwargs)
+        call = upstream.bound_arguments("_create_completion", *args, **kwargs).arguments
+        if call.get("stream") and call.get("logprobs") is None and not call.get("echo"):
+            # (a stream with log probabilities or the prompt echoed stays upstream's: each chunk's offsets are its own)
+            completion = self._restreamed(completion, stop_strings(call.get("stop")))
         try:
             for out in completion:
                 if self._context_full and out["choices"][0]["finish_reason"] == "stop":
@@ -712,6 +720,25 @@ class Llama(llama_cpp.Llama):
             # next call's ends here, after that call set its question: that one stays (it was read unguided)
             if self._kv_guide is guide:
                 self._kv_guide = None
+
+    def _restreamed(self, chunks, stops: list[str]):
+        """llama-cpp-python's stream with each chunk's text made anew from every byte sampled so far (``stream_text``):
+        its own lost characters held back at a stop string's possible beginning, and everything after a byte that is
+        no UTF-8. Chunks left without text are dropped; the last (its finish reason) brings the rest, up to the first
+        stop string."""
+        data, done, sent = bytearray(), 0, ""
+        for chunk in chunks:
+            prompt, tokens = self._sampled
+            if done < len(tokens):  # (each token's bytes once: with prev_tokens, as upstream's stream reads them)
+                data += self.detokenize(tokens[done:], prev_tokens=prompt + tokens[:done])
+                done = len(tokens)
+            choice = chunk["choices"][0]
+            text = ready_text(completion_text(bytes(data)), stops, end=choice["finish_reason"] is not None)
+            if choice["finish_reason"] is None and len(text) <= len(sent):
+                continue
+            choice["text"] = text[len(sent) :]
+            sent = text
+            yield chunk
 
     @one_call_at_a_time
     def reset(self):

@@ -11,7 +11,6 @@ sit among theirs: its float sums meet them in another order).
 
 from __future__ import annotations
 
-import codecs
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -24,6 +23,7 @@ from .engine import Engine
 from .errors import AhakvError
 from .policies import Policy, make_policy
 from .session import SessionSpec, guide_of
+from .stream_text import completion_text, ready_text
 from .textfile import last_paragraph
 
 TOP_K = 40  # llama-cpp-python's default for completions
@@ -65,13 +65,6 @@ class Sampling:
             top, z = top[:kept], z[:kept]
         p = np.exp((z - z[0]) / self.temperature)  # shifted first: a tiny temperature divided to inf, then NaN
         return int(rng.choice(top, p=p / p.sum()))
-
-
-def stop_prefix(text: str, stops: tuple[str, ...]) -> int:
-    """The length of the longest end of ``text`` that is the beginning of a stop string (0: none): what a stream holds
-    back until the next token says whether the stop string follows. (It held back the longest stop string's length
-    less one whatever the text: a chat's 10 characters, and its stream came in odd pieces.)"""
-    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
 
 
 @dataclass
@@ -203,9 +196,9 @@ class SequencePool:
         gen.tokens.append(token)
         self._counts[seq][token] += 1
         text = self._text(gen)
-        cut = min((i for i in (text.find(s) for s in gen.sampling.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self._finish(seq, text[gen.sent : cut], "stop")
+        ready = ready_text(text, gen.sampling.stop)
+        if any(s in text for s in gen.sampling.stop if s):
+            self._finish(seq, ready[gen.sent :], "stop")
             return
         # at max_tokens, or where prompt and tokens fill the trained context, as llama-cpp-python cuts max_tokens (past
         # it, the batch's llama_decode failed, and every sequence in the batch with an error)
@@ -214,17 +207,16 @@ class SequencePool:
             return
         # hold back what could begin a stop string (the text's longest end that begins one; an unfinished UTF-8
         # character is not in the text yet: the "a" of a stop string "a𓀀" went out before its character was whole)
-        ready = len(text) - stop_prefix(text, gen.sampling.stop)
-        if ready > gen.sent:
-            gen.emit(text[gen.sent : ready], None)
-            gen.sent = ready
+        if len(ready) > gen.sent:
+            gen.emit(ready[gen.sent :], None)
+            gen.sent = len(ready)
         self.next_token[seq] = token
 
     def _text(self, gen: Generation) -> str:
         """The text of the tokens sampled so far, as llama-cpp-python makes it: bytes that are no UTF-8 dropped
         (``errors="ignore"``; they came out as U+FFFD here, where the one-at-a-time server dropped them), an unfinished
         character at the end held back until its bytes are all in (at the end of a generation, dropped)."""
-        return codecs.getincrementaldecoder("utf-8")("ignore").decode(self.engine.detokenize_bytes(gen.tokens))
+        return completion_text(self.engine.detokenize_bytes(gen.tokens))
 
     def _finish(self, seq: int, rest: str, reason: str) -> None:
         gen = self.active[seq]

@@ -57,6 +57,7 @@ from .llama import Llama, Stopped, llama_response_format
 from .parallel import RANDOM_SEED, Generation, Sampling, SequencePool, prompt_of
 from .policies import Policy, make_policy, query_readers
 from .session import check_kv_query
+from .stream_text import stop_strings
 
 log = logging.getLogger("ahakv_local.server")
 
@@ -178,6 +179,15 @@ class KVFields(BaseModel):
                 raise ValueError(f"{asked} is not supported: this server gives {NOT_SUPPORTED[name][1]}")
         return self
 
+    @model_validator(mode="after")
+    def _text_is_unicode(self):
+        """A lone surrogate (JSON's "\\ud800") in any field is refused by name: a prompt's or a message's was a 400
+        in the codec's words, and a stop string's one server refused so and the other (--parallel) ignored."""
+        for name in type(self).model_fields:
+            if (bad := _lone_surrogate(getattr(self, name))) is not None:
+                raise ValueError(f"{name} holds {bad!r}, half of a UTF-16 pair: not a character (give the pair whole)")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
@@ -186,6 +196,20 @@ class KVFields(BaseModel):
     def response_json(self) -> dict | None:
         """The JSON ``response_format`` the drop-in samples under (a chat's; None: plain text)."""
         return None
+
+
+def _lone_surrogate(value) -> str | None:
+    """The first lone surrogate in a request field's strings (lists, dicts and models walked), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return value[exc.start]
+        return None
+    if isinstance(value, BaseModel):
+        value = dict(value)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return next((bad for v in items if (bad := _lone_surrogate(v)) is not None), None)
 
 
 class CompletionRequest(KVFields):
@@ -409,12 +433,6 @@ def check_request_query(query: bool | str | None, policy: Policy | None, room: i
             query, chunk, room, shown='kv_query "reconstruct"', caches="this server's",
             advice="start it with --reading reconstruct",
         )  # fmt: skip
-
-
-def stop_strings(stop: str | list[str] | None) -> list[str]:
-    """A request's stop strings, the empty one left out: every text contains it, so llama-cpp-python answered nothing
-    at once (``"stop": [""]``), and the --parallel server took ``"stop": ""`` as none. Both servers now ignore it."""
-    return [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
 
 
 def cut_at_first_stop(out: dict, stop: list[str]) -> dict:

@@ -979,6 +979,37 @@ for budget in (None, 64):
     assert [line[: len(refused)] for line in proc.stdout.splitlines()] == [refused, "last: True"] * 2
 
 
+def test_a_stream_sends_the_text_the_completion_has_unstreamed(gemma_model):
+    """llama-cpp-python 0.3.36 flushes what its stream held back token by token: a character split over tokens held
+    back because it could begin a stop string came out as nothing (the answer lost its last hieroglyph); and after
+    one byte that is no UTF-8 its stream sent nothing more and dropped every character after it (chat, generate and
+    the one-at-a-time server stream through it). Each chunk's text is now made from every byte sampled so far: the
+    chunks joined are the unstreamed text, for the same greedy completion, with and without a budget."""
+    byte = 366  # Gemma's token of the lone byte 0x80: a UTF-8 continuation byte with nothing to continue
+
+    def forced(ids, scores):  # the 4th sampled token is that byte (ids: the prompt and what was sampled)
+        if len(ids) - forced.n_prompt == 3:
+            scores = np.full_like(scores, -1e9)
+            scores[byte] = 0
+        return scores
+
+    cases = [
+        ("𓀀𓀁𓀂𓀃𓀄𓀅𓀆𓀇𓀈𓀉𓀊𓀋𓀌𓀍𓀎𓀏", {"max_tokens": 40, "stop": ["𓀏Z"]}),  # held back at the end: lost
+        ("龘靐齉龘靐齉龘靐齉龘靐齉", {"max_tokens": 30, "logits_processor": llama_cpp.LogitsProcessorList([forced])}),
+    ]
+    for budget in (None, 40):
+        with Llama(str(gemma_model), n_ctx=512, kv_budget=budget, verbose=False) as llm:
+            assert llm.detokenize([byte]) == b"\x80"
+            for prompt, kwargs in cases:
+                forced.n_prompt = len(llm.tokenize(prompt.encode()))
+                whole = llm.create_completion(prompt, temperature=0, **kwargs)["choices"][0]
+                llm.reset()
+                chunks = list(llm.create_completion(prompt, temperature=0, stream=True, **kwargs))
+                assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"] != ""
+                assert [c["choices"][0]["finish_reason"] for c in chunks[-1:]] == [whole["finish_reason"]]
+                assert all(c["choices"][0]["text"] for c in chunks[:-1])  # (no empty pieces before the last)
+
+
 def test_arguments_given_by_position_are_read_as_by_name(fixture_model):
     """The overrides read ``sample``'s ``idx`` and ``create_chat_completion``'s ``response_format`` by name alone:
     ``sample(..., idx)`` by position was a TypeError (llama_cpp.Llama takes it), and a json_schema format given by

@@ -19,9 +19,10 @@ from test_server import call, free_port
 
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.llama import Llama
-from ahakv_local.parallel import RANDOM_SEED, Generation, Sampling, SequencePool, stop_prefix
+from ahakv_local.parallel import RANDOM_SEED, Generation, Sampling, SequencePool
 from ahakv_local.server import create_app
 from ahakv_local.session import SessionSpec
+from ahakv_local.stream_text import stop_prefix
 
 CHUNK = 16
 
@@ -186,6 +187,24 @@ def test_an_empty_question_is_refused_on_both_servers(fixture_model, parallel):
         for query in ("", "  "):
             status, out = call(base, "/v1/completions", {"prompt": "x", "max_tokens": 1, "kv_query": query})
             assert status == 400 and "not an empty text" in out["error"]["message"], out
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["one at a time", "parallel"])
+def test_a_lone_surrogate_is_refused_by_field_on_both_servers(fixture_model, parallel):
+    """JSON's "\\ud800" (half of a UTF-16 pair) is no character: in a prompt or a message it was a 400 in the codec's
+    words ("'utf-8' codec can't encode ..."), and in a stop string a 400 one at a time and ignored by --parallel."""
+    chat = {"messages": [{"role": "user", "content": "hi \ud800"}], "max_tokens": 1}
+    with served(fixture_model, parallel) as base:
+        for path, body, field in (
+            ("/v1/completions", {"prompt": "x\ud800y", "max_tokens": 1}, "prompt"),
+            ("/v1/completions", {"prompt": "x", "max_tokens": 1, "stop": ["ok", "\ud800"]}, "stop"),
+            ("/v1/chat/completions", chat, "messages"),
+        ):
+            status, out = call(base, path, body)
+            message = f"{field} holds '\\ud800', half of a UTF-16 pair: not a character (give the pair whole)"
+            assert status == 400 and message in out["error"]["message"], out
+        status, out = call(base, "/v1/completions", {"prompt": "x \U0001f600", "max_tokens": 1, "stop": "\U0001f600"})
+        assert status == 200, out  # (a whole pair is its character)
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["one at a time", "parallel"])

@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "upstream",
             "words",
             "textfile",
+            "stream_text",
         },  # fmt: skip
     ),
     ("native boundary", {"info", "native", "build", "rpc", "saved_chat"}),
