@@ -236,6 +236,8 @@ class KVController:
         # next re-split), so a chat saved then names this one, which opens caches of these sizes (saved_chat.py)
         self.laid_out = config.budget
         self.groups: list[LayerGroup] = make_groups(engine, policy, self.allocation(config.budget))
+        for g in self.groups:  # an engine evicted from before (tokens_seen = cells_used + evicted)
+            g.evicted = engine.n_past - g.live.size
         self.stats = ControllerStats(tokens_seen=engine.n_past)
         self._count()
         self.step_count = 0
@@ -369,9 +371,9 @@ class KVController:
         and their last span is guided too). With ``Reconstruct`` no question
         is known: every chunk is scored by how much a repetition of it attends to each position. With
         ``Surprisal`` (any policy) every chunk is compressed by the surprisal of each position's phrase alone."""
-        if not tokens:  # (an IndexError, deep in the chunking)
+        if not len(tokens):  # (an IndexError, deep in the chunking; len: a numpy array's truth value is ambiguous)
             raise ValueError("prefill needs at least one token")
-        chunk = chunk or self.engine.config.n_ubatch
+        chunk = self._chunk(chunk)
         by_surprisal = isinstance(query, Surprisal)
         use_query = by_surprisal or (bool(query) and self.policy.reads_with_query)
         asked = self._asks(query)
@@ -418,6 +420,17 @@ class KVController:
             self._surprisal_row = before
         return np.concatenate(rows) if all_logits else rows[-1]
 
+    def _chunk(self, chunk: int | None) -> int:
+        """A prompt chunk's tokens: ``chunk``, or the ubatch (None); one the engine cannot decode in one call is a
+        ValueError (a chunk of -1 read nothing and looped for good; one past the ubatch was cut in several calls, and
+        the cache filled in the second with the first's positions unknown to the policy)."""
+        n_ubatch = self.engine.config.n_ubatch
+        if chunk is None:
+            return n_ubatch
+        if not isinstance(chunk, int) or not 0 < chunk <= n_ubatch:
+            raise ValueError(f"a prompt chunk is 1 to {n_ubatch} tokens (the engine's n_ubatch), not {chunk!r}")
+        return chunk
+
     def _asks(self, query: Sequence[int] | Reconstruct | Surprisal | None) -> bool:
         """Whether ``prefill`` reads with ``query`` as a question (not question-agnostically, not plainly)."""
         return bool(query) and not isinstance(query, Reconstruct | Surprisal) and self.policy.reads_with_query
@@ -427,7 +440,7 @@ class KVController:
         question, a span: the chunk and what the question's last QUERY_TOKENS tokens leave of the room behind it (at
         chunks of 64: 24 question tokens for 104 of the prompt at most, ``budget.QUERY_TOKENS``). A caller feeding a
         prompt in pieces feeds spans (the compressions follow the pieces)."""
-        chunk = chunk or self.engine.config.n_ubatch
+        chunk = self._chunk(chunk)
         if not self._asks(query):
             return chunk
         return chunk + max(0, self.config.room - min(len(query), QUERY_TOKENS))
@@ -786,6 +799,8 @@ class KVController:
         current position (n > 0) nothing is forgotten: the steps the tap summed but nobody read yet stay."""
         if 0 < n == self.engine.n_past:
             return
+        if not 0 <= n <= self.engine.n_past:  # (n_past jumped ahead, and every later decode failed)
+            raise ValueError(f"cannot rewind to {n}: {self.engine.n_past} positions decoded")
         if n < self.engine.n_past or n == 0:  # a new sequence empties the cells whatever the count says (a reset)
             self.engine.truncate(n)
         self.engine.n_past = n

@@ -20,6 +20,7 @@ import copy
 import ctypes
 import dataclasses
 import enum
+import operator
 import os
 import weakref
 from collections.abc import Sequence
@@ -107,6 +108,13 @@ class EngineConfig:
     # ones an RPC worker runs, so a local run compared with a worker's turns this off
     repack_weights: bool = True
     verbose: bool = False
+
+    def __post_init__(self) -> None:
+        # (n_batch -5 crashed the process in llama_batch_init; an n_ubatch of 0 opened, then failed every decode)
+        for name in ("n_batch", "n_ubatch", "n_seq"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a whole number of 1 or more, not {value!r}")
 
 
 class LayerCache(enum.IntEnum):
@@ -296,7 +304,9 @@ class Engine:
                 continue  # no layer reads it (a model without a sliding window has no sliding cache)
             used = self.n_used(self.layer_cache.index(cache))
             if n < max(used, 1):
-                raise AhakvError(f"the {cache_name(cache)} cache holds {used} cells: {n} cannot hold them")
+                # (the sliding cache was "group 1")
+                name = cache_name(LayerCache(cache) if cache in (LayerCache.BASE, LayerCache.SLIDING) else cache)
+                raise AhakvError(f"the {name} cache holds {used} cells: {n} cannot hold them")
         llama_cpp = self._llama_cpp
         size = llama_cpp.llama_state_seq_get_size(self.ctx, self.seq)
         state = np.empty(size, dtype=np.uint8)  # not zeroed: the engine writes every byte (~2 ms less for 8 MiB)
@@ -422,6 +432,7 @@ class Engine:
             raise ValueError(f"sequence {seq} is not one of this context's {self.config.n_seq}")
         v = copy.copy(self)
         v.seq, v.n_past, v._owned = seq, 0, False
+        self.__dict__.setdefault("_views", weakref.WeakSet()).add(v)  # (closed with this engine: ``close``)
         return v
 
     # -- resources ---------------------------------------------------------------------------------
@@ -446,6 +457,8 @@ class Engine:
             if obj is not None and obj is not CLOSED:
                 obj.close()
                 setattr(self, owner, CLOSED)  # (None: every later call an AttributeError on 'NoneType')
+        for view in list(self.__dict__.get("_views", ())):  # (they held the freed handles: a view's next call crashed)
+            view._model = view._ctx = view._batch = CLOSED
         self._rpc = None  # the workers' connections closed with the model: a new model checks them again
 
     def detach(self, stand_in) -> None:
@@ -487,7 +500,20 @@ class Engine:
         return self.detokenize_bytes(tokens).decode(errors="replace")
 
     def detokenize_bytes(self, tokens: Sequence[int]) -> bytes:
-        return self._model.detokenize(list(tokens))
+        return self._model.detokenize(self.token_ids(tokens))
+
+    def token_ids(self, tokens: Sequence[int]) -> list[int]:
+        """``tokens`` as ids of this model's vocabulary; a ValueError names the first that is not one (llama.cpp
+        aborted the process detokenizing an id past the vocabulary, and a batch's int32 took 2**32 + 7 as 7)."""
+        ids = []
+        for t in tokens:
+            try:
+                ids.append(operator.index(t))
+            except TypeError:
+                raise ValueError(f"a token id is a whole number, not {t!r}") from None
+            if not 0 <= ids[-1] < self.n_vocab:
+                raise ValueError(f"token id {t} is outside the model's vocabulary of {self.n_vocab} tokens")
+        return ids
 
     def chat_prompt(self, messages: list[dict]) -> tuple[list[int], list[str]]:
         """(tokens, stop strings) of chat ``messages`` with the model's own template (``upstream.chat_prompt``)."""
@@ -503,8 +529,12 @@ class Engine:
         """Decode ``tokens`` at positions n_past, n_past+1, ...; return the last row of logits
         ([n_vocab]) or, with ``all_logits``, one row per token ([n_tokens, n_vocab])."""
         llama_cpp = self._llama_cpp
-        if not tokens:
+        if not len(tokens):  # (len: a numpy array's truth value is ambiguous)
             raise ValueError("decode needs at least one token")
+        try:
+            tokens = self.token_ids(tokens)
+        except ValueError as exc:  # a RuntimeError too, as llama_cpp.Llama's failed decode of such an id
+            raise DecodeError(f"cannot decode: {exc}") from None
         if self.n_past + len(tokens) > self.n_ctx_train:
             end = self.n_past + len(tokens)
             raise AhakvError(f"position {end} is past the model's trained context {self.n_ctx_train}")
@@ -634,6 +664,16 @@ class Engine:
         """Forget every position >= n_past (rewind), so the next token goes to n_past."""
         if not 0 <= n_past <= self.n_past:
             raise ValueError(f"cannot truncate to {n_past}: {self.n_past} positions decoded")
+        # llama.cpp takes the next token only at a cache's newest position + 1: a rewind into evicted positions was
+        # taken, and every decode after it failed ("the last position stored ... X = 14 ... Y = 17")
+        if 0 < n_past < self.n_past:
+            held = [self.live_positions(self.layer_cache.index(c)) for c in self.caches]
+            below = [int(p[p < n_past][-1]) for p in held if p.size and p[0] < n_past]
+            if below and min(below) != n_past - 1:
+                raise ValueError(
+                    f"cannot truncate to {n_past}: position {n_past - 1} was evicted (the next token must follow the "
+                    f"newest one a cache holds, {min(below)})"
+                )
         if n_past == 0 and not self.shared:
             self.clear_cells()
         else:
@@ -655,7 +695,13 @@ class Engine:
         present (in the base cache for ``None``)."""
         if cache is LayerCache.NONE:
             raise ValueError("LayerCache.NONE is no cache to evict from")
-        pos = np.unique(np.asarray(positions, dtype=np.int32))
+        given = np.asarray(positions)
+        if given.size and (given.dtype.kind not in "iu" or given.min() < 0 or given.max() >= self.n_past):
+            # (a cast to int32 evicted position 5 for 9.99, 2**32 + 5 or a mask of booleans, silently; one never
+            # decoded was refused as "the newest position")
+            what = "whole numbers" if given.dtype.kind not in "iu" else f"positions 0 to {self.n_past - 1}"
+            raise ValueError(f"evict takes {what} (decoded so far), not {given.ravel()[:5].tolist()}")
+        pos = np.unique(given.astype(np.int32))
         if pos.size == 0:
             return 0
         ptr = address(pos, np.int32)
@@ -801,7 +847,11 @@ def decode_batch(views: Sequence[Engine], tokens: Sequence[int]) -> np.ndarray:
     for v in views:
         if v.n_past + 1 > v.n_ctx_train:
             raise AhakvError(f"position {v.n_past + 1} is past the model's trained context {v.n_ctx_train}")
-    e._fill([(int(t), v.n_past, v.seq, True) for v, t in zip(views, tokens, strict=True)])
+    try:
+        tokens = e.token_ids(tokens)
+    except ValueError as exc:
+        raise DecodeError(f"cannot decode: {exc}") from None
+    e._fill([(t, v.n_past, v.seq, True) for v, t in zip(views, tokens, strict=True)])
     e._run_batch()
     llama_cpp = e._llama_cpp
     out = np.empty((len(views), e.n_vocab), dtype=np.float32)

@@ -194,6 +194,32 @@ def test_auto_budget_stays_within_its_ratio_bounds(fixture_model, license_text):
         assert c.stats.budget == c.live.size
 
 
+def test_a_controller_refuses_what_would_leave_it_wrong(fixture_model, license_text):
+    """A prompt chunk of -1 read nothing and looped for good; one past the ubatch was cut into several decodes and the
+    cache filled in the second, with the first's positions unknown to the policy (never evicted again); a rewind
+    forward (truncate past n_past) moved n_past on, counted phantom tokens and evictions, and every later decode
+    failed. Each is a ValueError now. And a controller over an engine evicted from before counts those evictions
+    (tokens_seen = cells_used + evicted; it said 0 evicted of 100 seen with 80 cells)."""
+    with engine_for(fixture_model) as e:
+        tokens = e.tokenize(license_text)[:200]
+        ctl = KVController(e, make_policy("h2o"), ControllerConfig(Budget.parse(64), n_sink=4, n_recent=8))
+        for chunk in (-1, 0, CHUNK + 1):
+            with pytest.raises(ValueError, match=rf"^a prompt chunk is 1 to {CHUNK} tokens .*, not {chunk}$"):
+                ctl.prefill(tokens, chunk=chunk)
+        assert e.n_past == 0  # refused before any decode
+        ctl.prefill(tokens[:150], chunk=CHUNK)
+        with pytest.raises(ValueError, match=r"^cannot rewind to 151: 150 positions decoded$"):
+            ctl.truncate(151)
+        assert e.n_past == ctl.stats.tokens_seen == 150
+        np.testing.assert_array_equal(ctl.live, e.live_positions())
+        ctl.step(tokens[150])
+    with engine_for(fixture_model) as e:
+        e.decode(tokens[:100])
+        e.evict(list(range(10, 30)))
+        ctl = KVController(e, make_policy("h2o"), ControllerConfig(Budget.parse(64), n_sink=4, n_recent=8))
+        assert (ctl.stats.tokens_seen, ctl.stats.cells_used, ctl.stats.evicted) == (100, 80, 20)
+
+
 def test_bad_configurations_are_refused(fixture_model):
     with engine_for(fixture_model) as e:
         with pytest.raises(AhakvError, match="smaller than sinks \\+ recent"):

@@ -246,3 +246,65 @@ def test_a_layer_or_statistic_the_model_has_not_is_named(fixture_model):
                 call()
         with pytest.raises(ValueError, match="kind must be one of attn, side, verr, vnorm, not 'bogus'"):
             e.stat("bogus", 0)
+
+
+def test_the_engine_refuses_what_would_crash_it_in_one_named_error(fixture_model):
+    """Each of these crashed the interpreter: a token id past the vocabulary detokenized (std::out_of_range), a view
+    used after its engine was closed (it kept the freed context: a segfault), a negative n_batch (llama_batch_init).
+    Each is a ValueError now. In a child process: the old code's crash would end the suite."""
+    script = f"""
+from ahakv_local.engine import Engine, EngineConfig
+def said(f):
+    try:
+        f()
+        print("ran")
+    except ValueError as exc:
+        print(type(exc).__name__, exc)
+e = Engine({str(fixture_model)!r}, EngineConfig(n_ctx=256, n_batch=64, n_ubatch=64, n_seq=2, n_threads=1))
+print("vocabulary", e.n_vocab)
+said(lambda: e.detokenize([e.n_vocab]))
+v = e.view(1)
+v.decode([1, 2, 3])
+e.close()
+print("view closed:", v.closed)
+said(lambda: v.reset_stats())
+said(lambda: Engine({str(fixture_model)!r}, EngineConfig(n_batch=-5)))
+said(lambda: EngineConfig(n_ubatch=0))
+"""
+    proc = _run(script)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    n = int(lines.pop(0).split()[1])
+    assert lines == [
+        f"ValueError token id {n} is outside the model's vocabulary of {n} tokens",
+        "view closed: True",
+        "ValueError this engine was closed: create a new one",
+        "ValueError n_batch must be a whole number of 1 or more, not -5",
+        "ValueError n_ubatch must be a whole number of 1 or more, not 0",
+    ]
+
+
+def test_the_engine_refuses_what_would_leave_it_wrong_in_one_named_error(fixture_model):
+    """Each of these was taken, silently wrong: a token id of 2**32 + 7 decoded as 7 (a batch's int32); positions
+    given as floats, booleans or past int32 were cast and evicted others (9.99 evicted 5... 9, a mask evicted 0 and
+    1); a position never decoded was refused as "the newest"; a rewind to a position whose predecessor was evicted was
+    taken, and every decode after it failed in llama.cpp."""
+    with Engine(str(fixture_model), EngineConfig(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1)) as e:
+        with pytest.raises(RuntimeError, match=rf"cannot decode: token id {2**32 + 7} is outside the model's vocab"):
+            e.decode([2**32 + 7])
+        with pytest.raises(RuntimeError, match=r"cannot decode: a token id is a whole number, not 1\.7"):
+            e.decode([1.7])
+        assert e.n_past == 0  # refused before anything was decoded
+        e.decode(list(range(1, 21)))
+        live = e.live_positions()
+        for bad in ([9.99], np.array([2**32 + 5]), live == 12, [-1], [25]):
+            with pytest.raises(ValueError, match=r"^evict takes (whole numbers|positions 0 to 19) \(decoded so far\)"):
+                e.evict(bad)
+        np.testing.assert_array_equal(e.live_positions(), live)  # nothing went
+        assert e.evict(np.array([3, 4], dtype=np.uint64)) == 2  # unsigned whole numbers are positions
+        e.evict([15, 16, 17])
+        with pytest.raises(ValueError, match=r"cannot truncate to 17: position 16 was evicted .* holds, 14\)$"):
+            e.truncate(17)
+        e.truncate(15)  # after the newest held below the gap: the next token goes there
+        e.decode([5])
+        assert int(e.live_positions()[-1]) == 15 and e.n_past == 16
