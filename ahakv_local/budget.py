@@ -21,6 +21,8 @@ from typing import Literal, get_args
 
 from .errors import AhakvError
 
+BUDGET_MODES = ("cells", "ratio", "auto", "none", "bytes")
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -35,6 +37,8 @@ class Budget:
     cap: int | None = None  # ratio, auto: never more than this many cells (a sliding group's; KVController.fitted)
 
     def __post_init__(self) -> None:
+        if self.mode not in BUDGET_MODES:  # (Budget("bogus", 3) ran, labelled "the full cache")
+            raise AhakvError(f"a budget's mode is one of {', '.join(BUDGET_MODES)}, not {self.mode!r}")
         # the drop-in's kv_min_ratio/kv_max_ratio/kv_error_tol come here unchecked: "x" ran, and reached numpy
         for name in ("min_ratio", "max_ratio", "error_tol"):
             v = getattr(self, name)

@@ -20,6 +20,7 @@ import copy
 import ctypes
 import dataclasses
 import enum
+import math
 import operator
 import os
 import weakref
@@ -539,12 +540,8 @@ class Engine:
             end = self.n_past + len(tokens)
             raise AhakvError(f"position {end} is past the model's trained context {self.n_ctx_train}")
         rows = []
-        # one ubatch a call: llama.cpp places every ubatch of a call on trial before computing the first, and a trial
-        # in a trimmed sliding-window cache whose cells no longer follow positions (holes refilled after an eviction)
-        # purges positions the earlier ubatches still see: their logits came out wrong (up to 2.2 in a logit)
-        step = min(self.config.n_batch, self.config.n_ubatch)
-        for start in range(0, len(tokens), step):
-            chunk = list(tokens[start : start + step])
+        for start in range(0, len(tokens), self.config.n_batch):
+            chunk = list(tokens[start : start + self.config.n_batch])
             n = len(chunk)
             self._fill([(t, self.n_past + i, self.seq, all_logits or i == n - 1) for i, t in enumerate(chunk)])
             self._run_batch()
@@ -723,12 +720,17 @@ class Engine:
     def set_tap(self, flags: TapFlag, window: int = 0) -> None:
         """Statistics to compute in-graph, over the last ``window`` query rows of each decode call (0 = all).
         Under flash attention ATTN is the side pass at scale 1 (patch 0009)."""
+        if not 0 <= int(flags) <= sum(TapFlag) or not isinstance(window, int) or window < 0:
+            # (taken: -5 rows, or a flag bit the tap does not have)
+            raise ValueError(f"set_tap takes TapFlag flags and a window of 0 or more rows, not {flags!r}, {window!r}")
         self.native.set_tap(self.ctx, int(flags), window)
         self._tap = (flags, window)
         self._tap_reserved |= flags
 
     def set_side_scale(self, scale: float) -> None:
         """Logit multiplier of the side pass (1.0 reproduces the model's softmax), for this sequence's rows."""
+        if not math.isfinite(scale):  # (NaN was taken: every SIDE statistic after it NaN)
+            raise ValueError(f"the side pass's scale is a finite number, not {scale!r}")
         if self.shared:
             self.native.set_side_scale_seq(self.ctx, self.seq, scale)
         else:
@@ -748,6 +750,8 @@ class Engine:
 
     def stat_by_cell(self, kind: str, layer: int) -> np.ndarray:
         """float32 [n_heads, n_cells] of ``kind`` in attn, side, verr (query heads) or vnorm (KV heads)."""
+        if kind not in STAT_KINDS.values():  # (an AttributeError: undefined symbol llama_ahakv_get_<kind>)
+            raise ValueError(f"kind must be one of {', '.join(STAT_KINDS.values())}, not {kind!r}")
         n_heads = self.n_head_kv if kind == "vnorm" else self.n_head
         out = np.empty((n_heads, self.n_cells(layer)), dtype=np.float32)
         getter = getattr(self.native, "get_" + kind)
@@ -765,8 +769,6 @@ class Engine:
 
     def stat(self, kind: str, layer: int) -> LayerStat:
         """A statistic by position: the live positions of the layer's cache, ascending, and their values."""
-        if kind not in STAT_KINDS.values():  # (an AttributeError: undefined symbol llama_ahakv_get_<kind>)
-            raise ValueError(f"kind must be one of {', '.join(STAT_KINDS.values())}, not {kind!r}")
         positions, cells = self._live_cells(layer)
         return LayerStat(positions, self.stat_by_cell(kind, layer)[:, cells])
 

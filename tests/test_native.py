@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 
 from ahakv_local import native
+from ahakv_local.budget import Budget
 from ahakv_local.engine import Engine, EngineConfig
 from ahakv_local.errors import AhakvError, EngineNotPatched
+from ahakv_local.native import TapFlag
 
 import device
 from numerics import F32
@@ -308,3 +310,14 @@ def test_the_engine_refuses_what_would_leave_it_wrong_in_one_named_error(fixture
         e.truncate(15)  # after the newest held below the gap: the next token goes there
         e.decode([5])
         assert int(e.live_positions()[-1]) == 15 and e.n_past == 16
+        # taken, to no effect or to NaN statistics: a window of -5 rows, a flag bit the tap has not, a NaN scale; a
+        # statistic of another name failed on an undefined symbol
+        for flags, window in ((TapFlag.ATTN, -5), (TapFlag(1024), 0)):
+            with pytest.raises(ValueError, match=r"^set_tap takes TapFlag flags and a window of 0 or more rows"):
+                e.set_tap(flags, window)
+        with pytest.raises(ValueError, match=r"^the side pass's scale is a finite number, not nan$"):
+            e.set_side_scale(float("nan"))
+        with pytest.raises(ValueError, match=r"^kind must be one of attn, side, verr, vnorm, not 'foo'$"):
+            e.stats("foo")
+    with pytest.raises(AhakvError, match=r"^a budget's mode is one of cells, ratio, auto, none, bytes, not 'bogus'$"):
+        Budget("bogus", 3)
