@@ -1051,4 +1051,23 @@ def run_server(app: FastAPI, sock: socket.socket) -> None:
         app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACE_S,
         limit_concurrency=MAX_CONNECTIONS,
     )  # fmt: skip
-    Server(config, app.state.shutdown).run(sockets=[sock])
+    quiet = CancelledAtStop(app.state.shutdown)
+    logging.getLogger("uvicorn.error").addFilter(quiet)
+    try:
+        Server(config, app.state.shutdown).run(sockets=[sock])
+    finally:
+        logging.getLogger("uvicorn.error").removeFilter(quiet)
+
+
+class CancelledAtStop(logging.Filter):
+    """Drops uvicorn's "Exception in ASGI application" for a request it cancelled at a stop signal (GRACE_S after it):
+    a client that had sent half a request body left 60 lines of traceback behind a clean exit. uvicorn's one line
+    saying it cancelled the request stays."""
+
+    def __init__(self, stopping: threading.Event):
+        super().__init__()
+        self.stopping = stopping
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (self.stopping.is_set() and isinstance(error, asyncio.CancelledError))

@@ -603,6 +603,26 @@ def test_sigterm_while_a_prompt_chunk_is_read_answers_503_in_json(gemma_model, l
             proc.kill()
 
 
+def test_sigterm_with_half_a_request_sent_stops_without_a_traceback(fixture_model):
+    """A client that had sent half a request body when the server was told to stop: uvicorn cancelled the request
+    (waiting for the rest of its body) GRACE_S later and logged "Exception in ASGI application", 60 lines of
+    traceback ending in CancelledError, behind an otherwise clean exit. Its one line saying it cancelled stays."""
+    proc, base = start_server(fixture_model, grace_s=0.5)
+    host, port = base.removeprefix("http://").split(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000"
+            sock.sendall(head.encode() + b"\r\n\r\n{")
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        log = proc.stdout.read().decode()
+        assert "Traceback" not in log and "CancelledError" not in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 # -- every exit path releases the model: a fake model that fails where no real request can
 
 
