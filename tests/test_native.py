@@ -164,11 +164,11 @@ print("diff", float(np.abs(small - ref).max()), "scale", float(np.abs(ref).max()
 
 
 def test_a_decode_of_several_ubatches_after_an_eviction_reads_what_each_ubatch_sees(gemma3_fixture, license_text):
-    """llama.cpp places every ubatch of a call on trial before it computes the first. In a trimmed sliding-window
-    cache whose holes an eviction left were refilled (its cells no longer in order of position), the trial of the
-    second ubatch purged positions the first still sees: the first ubatch's logits depended on tokens after it (by up
-    to 2.2 here; 3 of 64 argmaxes changed on Gemma 3 270M). The engine decodes one ubatch a call, so rows 36..51
-    decoded alone and decoded with 52..67 behind them are the same computation over the same cells: equal bits."""
+    """llama.cpp places every ubatch of a call on trial before it computes the first. In a sliding-window cache whose
+    holes an eviction left were refilled (its cells no longer in order of position), the trial of the second ubatch
+    purged positions the first still sees: the first ubatch's logits depended on tokens after it. Patch
+    0025 restores every cell the trials purged, so rows 36..51 decoded alone and decoded with 52..67 behind them in one
+    call are the same computation over the same cells: equal bits."""
     victims = [3, 5, 7, 13, 14, 15, 16, 21, 22, 23, 25, 29, 31]  # holes below the 24-position window's reach
 
     def rows(n_new: int, evict: bool) -> np.ndarray:
