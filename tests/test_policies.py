@@ -336,6 +336,27 @@ def test_a_setting_of_the_wrong_kind_is_refused_by_name():
     assert make_policy("ahakv", r=np.int64(16), weight_smoothing=1).r == 16
 
 
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_numeric_setting_is_refused_out_of_its_range_or_kind(name):
+    """Every policy's numeric settings (``Policy.ranges``) are refused by name below or above their range, and of
+    another kind: snapkv's kernel -3 and "x", ahakv's r 0 and weight_smoothing 5.0 ran; random's seed -1 failed in
+    numpy."""
+    cls = POLICIES[name]
+    for setting, (least, most) in cls.ranges.items():
+        for bad in [least - 1] + ([most + 1] if most is not None else []):
+            with pytest.raises(AhakvError, match=rf"^policy {name}'s {setting} must be .*, not {bad!r}$"):
+                make_policy(name, **{setting: bad})
+        with pytest.raises(AhakvError, match=rf"^policy {name}'s {setting} must be of type"):
+            make_policy(name, **{setting: "x"})
+        make_policy(name, **{setting: least})  # the bound itself is taken
+    numeric = {
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init and str(getattr(f.type, "__name__", f.type)) in ("int", "float")
+    }
+    assert numeric <= set(cls.ranges), numeric - set(cls.ranges)  # (every numeric setting has a range)
+
+
 @pytest.mark.parametrize("room", [0, 31])
 @pytest.mark.parametrize("split", ["eviction", "peak"])
 def test_h2o_splits_the_budget_in_heavy_hitters_and_recent_tokens(split, room):

@@ -45,6 +45,7 @@ class AhaKV(Policy):
     supports_auto_budget = True
     reads_with_query = True
 
+    ranges = {k: (1, None) for k in ("r", "vpe_kernel", "query_kernel", "read_kernel")} | {"weight_smoothing": (0, 1)}
     r: int = 32  # recent accumulation window (queries)
     sg_softmax: bool = True  # (a) sharpen the scoring softmax by lambda(n)
     value_prior: bool = True  # (a) multiply by avgpool(||v||^2) / max

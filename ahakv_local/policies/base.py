@@ -168,6 +168,8 @@ class Policy:
     """
 
     name: ClassVar[str]
+    # each numeric setting's (least, most) values, None for no bound: ``make_policy`` refuses others by name
+    ranges: ClassVar[dict[str, tuple[float | None, float | None]]] = {}
     needs: ClassVar[TapFlag] = TapFlag(0)
     window: ClassVar[int] = 1
     accumulates: ClassVar[bool] = False

@@ -27,6 +27,7 @@ class H2O(Policy):
     needs = TapFlag.ATTN
     window = 0  # every prompt row counts
     accumulates = True
+    ranges = {"recent_ratio": (0, 1)}
     recent_ratio: float = 0.5
     split: str = "eviction"  # or "peak" (above)
     acc: ByPosition = field(default_factory=ByPosition, init=False)

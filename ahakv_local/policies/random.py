@@ -10,6 +10,7 @@ class Random(Policy):
     """Uniformly random victims: the floor any attention-guided policy must beat."""
 
     name = "random"
+    ranges = {"seed": (0, None)}
     seed: int = 0
     rng: np.random.Generator = field(init=False)
 

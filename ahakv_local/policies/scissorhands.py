@@ -17,6 +17,7 @@ class Scissorhands(Policy):
     name = "scissorhands"
     needs = TapFlag.ATTN
     window = 1  # one query per step, like a decode step
+    ranges = {"history": (1, None)}
     history: int = 400
     hits: RecentSum = field(init=False)
     present: RecentSum = field(init=False)

@@ -18,6 +18,7 @@ class SnapKV(Policy):
     window = 32
     accumulates = True
     reads_with_query = True  # SnapKV's own setting: the question is the observation window
+    ranges = {"w": (1, None), "kernel": (1, None)}
     w: int = 32
     kernel: int = 7
     recent: RecentSum = field(init=False)
