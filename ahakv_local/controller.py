@@ -104,10 +104,15 @@ class ControllerConfig:
 
     def __post_init__(self) -> None:
         check_schedule(self.evict_every, self.observe_steps)
-        if self.n_sink < 0 or self.n_recent < 0:
-            raise AhakvError(f"sinks and recent must be at least 0, not {self.n_sink} and {self.n_recent}")
-        if self.pinned is not None and not 0 <= self.pinned[0] <= self.pinned[1]:
-            raise AhakvError(f"a pinned span is [start, end) with 0 <= start <= end, not {self.pinned}")
+        check_protected(self.n_sink, self.n_recent, self.pinned)
+
+
+def check_protected(n_sink: int, n_recent: int, pinned: tuple[int, int] | None) -> None:
+    """Sinks and recent tokens of at least 0, and a pinned span [start, end) with 0 <= start <= end."""
+    if n_sink < 0 or n_recent < 0:
+        raise AhakvError(f"sinks and recent must be at least 0, not {n_sink} and {n_recent}")
+    if pinned is not None and not 0 <= pinned[0] <= pinned[1]:
+        raise AhakvError(f"a pinned span is [start, end) with 0 <= start <= end, not {pinned}")
 
 
 def check_schedule(evict_every: int | None, observe_steps: int | None) -> None:

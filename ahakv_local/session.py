@@ -43,6 +43,7 @@ from .controller import (
     Surprisal,
     check_floor,
     check_policy,
+    check_protected,
     check_schedule,
     fit_to_cells,
 )
@@ -92,6 +93,7 @@ class SessionSpec:
             isinstance(self.pinned, tuple | list) and len(self.pinned) == 2 and all(map(whole, self.pinned))
         ):
             raise AhakvError(f"pinned must be a (start, end) pair of positions, not {self.pinned!r}")
+        check_protected(self.n_sink, self.n_recent, self.pinned)  # (before: only once a session opened)
         if policy.evicts and not self.budget.evicts:
             raise AhakvError(f"policy {self.policy} evicts: give it a budget (the full cache keeps everything)")
         if self.reading not in READINGS:

@@ -58,6 +58,14 @@ def test_specs_are_checked_before_any_model_loads():
         SessionSpec.bounded("h2o", "lots")
     with pytest.raises(AhakvError, match="unknown setting"):
         SessionSpec.bounded("ahakv", 64, params={"holistic": False})
+    # taken until a session opened (a spec's own comment says a parameter fails here)
+    for kw, message in (
+        ({"n_sink": -1}, r"sinks and recent must be at least 0, not -1 and 32"),
+        ({"pinned": (10, 5)}, r"a pinned span is \[start, end\) with 0 <= start <= end, not \(10, 5\)"),
+        ({"params": {"kernel": -3}}, r"policy snapkv's kernel must be at least 1, not -3"),
+    ):
+        with pytest.raises(AhakvError, match=message):
+            SessionSpec.bounded("snapkv", 64, **kw)
     assert SessionSpec.bounded("tova", 64).label == "tova@64" and SessionSpec().budget is NO_EVICTION
 
 
