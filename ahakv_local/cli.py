@@ -644,7 +644,9 @@ def load_pool(
         raise AhakvError(f"--parallel needs a policy that evicts: {policy} keeps every token, and each sequence "
                          "holds at most its budget in the context they share")  # fmt: skip
     refuse_unguided_reading(policy, reading)
-    if given("ctx_size"):  # (it was ignored: each sequence reaches the model's trained context, as its prompt can)
+    # (it was ignored: each sequence reaches the model's trained context, as its prompt can); AHAKV_CTX_SIZE, set for
+    # the other commands, is not asked of this one
+    if source("ctx_size") == ParameterSource.COMMANDLINE:
         raise AhakvError(
             "--parallel sizes its context by --budget and --parallel, and a request reaches the model's trained "
             "context: drop -c"

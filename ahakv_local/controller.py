@@ -44,7 +44,7 @@ from .budget import (
     default_evict_every,
     holding_of,
 )
-from .engine import Engine, decode_batch
+from .engine import Engine, decode_batch, whole_number
 from .errors import AhakvError
 from .groups import LayerGroup, make_groups
 from .native import TapFlag
@@ -432,9 +432,9 @@ class KVController:
         n_ubatch = self.engine.config.n_ubatch
         if chunk is None:
             return n_ubatch
-        if not isinstance(chunk, int) or not 0 < chunk <= n_ubatch:
+        if not whole_number(chunk) or not 0 < chunk <= n_ubatch:
             raise ValueError(f"a prompt chunk is 1 to {n_ubatch} tokens (the engine's n_ubatch), not {chunk!r}")
-        return chunk
+        return int(chunk)
 
     def _asks(self, query: Sequence[int] | Reconstruct | Surprisal | None) -> bool:
         """Whether ``prefill`` reads with ``query`` as a question (not question-agnostically, not plainly)."""

@@ -56,6 +56,15 @@ def kv_type_params(kv_type: str, flash_attn: bool | None = None) -> dict:
     return kv_type_config(kv_type) | {"type_k": _GGML_TYPES[kv_type], "type_v": _GGML_TYPES[kv_type]}
 
 
+def whole_number(value) -> bool:
+    """Whether ``value`` is an integer (numpy's too), not a bool."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return not isinstance(value, bool)
+
+
 def default_threads() -> int:
     """CPU threads when none are given: AHAKV_THREADS (also the CLI's -t default), else every core. Several
     engines on few cores want 1 each: ggml's threads spin at each graph barrier, so oversubscribing stalls all."""
@@ -114,8 +123,9 @@ class EngineConfig:
         # (n_batch -5 crashed the process in llama_batch_init; an n_ubatch of 0 opened, then failed every decode)
         for name in ("n_batch", "n_ubatch", "n_seq"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not whole_number(value) or value < 1:
                 raise ValueError(f"{name} must be a whole number of 1 or more, not {value!r}")
+            object.__setattr__(self, name, int(value))  # (numpy's integers too)
 
 
 class LayerCache(enum.IntEnum):
@@ -431,9 +441,10 @@ class Engine:
         per-sequence call (cell map, eviction, rewind, tap reset, row count, side scale) on ``seq`` only."""
         if not 0 <= seq < self.config.n_seq:
             raise ValueError(f"sequence {seq} is not one of this context's {self.config.n_seq}")
+        views = self.__dict__.setdefault("_views", weakref.WeakSet())  # before the copy: a view's views share it
         v = copy.copy(self)
         v.seq, v.n_past, v._owned = seq, 0, False
-        self.__dict__.setdefault("_views", weakref.WeakSet()).add(v)  # (closed with this engine: ``close``)
+        views.add(v)  # (closed with this engine: ``close``)
         return v
 
     # -- resources ---------------------------------------------------------------------------------
@@ -692,12 +703,13 @@ class Engine:
         present (in the base cache for ``None``)."""
         if cache is LayerCache.NONE:
             raise ValueError("LayerCache.NONE is no cache to evict from")
-        given = np.asarray(positions)
-        if given.size and (given.dtype.kind not in "iu" or given.min() < 0 or given.max() >= self.n_past):
-            # (a cast to int32 evicted position 5 for 9.99, 2**32 + 5 or a mask of booleans, silently; one never
-            # decoded was refused as "the newest position")
-            what = "whole numbers" if given.dtype.kind not in "iu" else f"positions 0 to {self.n_past - 1}"
-            raise ValueError(f"evict takes {what} (decoded so far), not {given.ravel()[:5].tolist()}")
+        given = np.asarray(positions).ravel()
+        if given.size and given.dtype.kind not in "iu":  # (cast to int32: 9.99 or a mask of booleans evicted others)
+            raise ValueError(f"evict takes positions as whole numbers, not {given[:5].tolist()}")
+        if given.size and (bad := given[(given < 0) | (given >= self.n_past)]).size:
+            # (2**32 + 5 was cast to 5; one never decoded was refused as "the newest position")
+            held = f"0 to {self.n_past - 1}" if self.n_past else "none: nothing was decoded"
+            raise ValueError(f"evict takes positions decoded so far ({held}), not {bad[:5].tolist()}")
         pos = np.unique(given.astype(np.int32))
         if pos.size == 0:
             return 0

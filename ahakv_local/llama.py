@@ -58,7 +58,7 @@ from .info import KV_CACHE_TYPES, KV_TYPES, check_kv_types, read_info, reading_h
 from .native import MAX_THREADS
 from .policies import KINDS, check_guided, make_policy
 from .session import SessionSpec, check_kv_query, guide_of
-from .stream_text import completion_text, ready_text, stop_strings
+from .stream_text import completion_text, cut_at_first_stop, ready_text, stop_strings
 from .textfile import last_paragraph
 
 # the ggml types llama.cpp's own tools offer for a KV cache (--cache-type-k), by their ggml_type number
@@ -697,9 +697,12 @@ class Llama(llama_cpp.Llama):
         guide = self._kv_guide  # this request's (set by its call; a later call may have set its own since)
         completion = super()._create_completion(*args, **kwargs)
         call = upstream.bound_arguments("_create_completion", *args, **kwargs).arguments
+        stops = stop_strings(call.get("stop"))
         if call.get("stream") and call.get("logprobs") is None and not call.get("echo"):
             # (a stream with log probabilities or the prompt echoed stays upstream's: each chunk's offsets are its own)
-            completion = self._restreamed(completion, stop_strings(call.get("stop")))
+            completion = self._restreamed(completion, stops)
+        elif not (call.get("stream") or call.get("echo") or call.get("suffix")) and call.get("logprobs") is None:
+            completion = (cut_at_first_stop(out, stops) for out in completion)  # (as the stream cuts it)
         try:
             for out in completion:
                 if self._context_full and out["choices"][0]["finish_reason"] == "stop":

@@ -8,6 +8,7 @@ again where its hash is not the model's. Damage that changes no modification tim
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -56,7 +57,8 @@ def default_model_path(progress: bool = False) -> Path:
         # written to since it was stamped (a copy over it, a tool that edits in place: the same size answered
         # garbage), or stamped before stamps held the file's time: hashed once, then stamped again or re-assembled
         if file_sha256(target) == pkg.EXPECTED_SHA256:
-            _write_stamp(stamp, target, pkg.EXPECTED_SHA256)
+            with contextlib.suppress(OSError):  # (a read-only or another user's cache: hashed at each run then)
+                _write_stamp(stamp, target, pkg.EXPECTED_SHA256)
             return target
 
     if progress:

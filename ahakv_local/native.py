@@ -16,7 +16,7 @@ from . import upstream
 from .errors import EngineNotPatched
 
 # must equal LLAMA_AHAKV_ABI_VERSION of the patch series in patches/
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 # ggml's GGML_MAX_N_THREADS: more threads than it crashed llama.cpp (-t 100000: a segfault, in a worker bad_alloc)
 MAX_THREADS = 512

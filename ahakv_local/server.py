@@ -208,7 +208,8 @@ def _lone_surrogate(value) -> str | None:
         return None
     if isinstance(value, BaseModel):
         value = dict(value)
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    # (a dict's keys too: a schema's property named "\ud800" was taken)
+    items = [*value, *value.values()] if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
     return next((bad for v in items if (bad := _lone_surrogate(v)) is not None), None)
 
 
@@ -435,18 +436,6 @@ def check_request_query(query: bool | str | None, policy: Policy | None, room: i
         )  # fmt: skip
 
 
-def cut_at_first_stop(out: dict, stop: list[str]) -> dict:
-    """A whole (not streamed) answer of llama-cpp-python cut where the first of its stop strings begins in the text.
-    Where one token brought two (" commas" for ["a", "c"]) llama-cpp-python cut at the first in the list's order
-    (" ... with comm"): the same request streamed, and --parallel, stop at the first in the text (" ... with ")."""
-    for choice in out.get("choices", []):
-        holder, key = (choice["message"], "content") if "message" in choice else (choice, "text")
-        text = holder.get(key)
-        if text and (cuts := [i for i in (text.find(s) for s in stop) if i >= 0]):
-            holder[key] = text[: min(cuts)]
-    return out
-
-
 # llama-cpp-python's sampling fields the --parallel sampler (parallel.Sampling) does not have, and their defaults
 PARALLEL_SAMPLES_NOT = {"typical_p": 1.0, "repeat_penalty": 1.0}
 
@@ -634,7 +623,7 @@ class SerialRunner:
                 sampling = self.sampling(req)
                 out = call(stream=req.stream, **sampling)
                 if not req.stream:
-                    job.post("result", cut_at_first_stop(out, sampling["stop"]))
+                    job.post("result", out)
                     return
                 last = None
                 with contextlib.closing(out):  # closed here, in the thread that ran it

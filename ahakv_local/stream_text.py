@@ -19,6 +19,17 @@ def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     return [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
 
 
+def cut_at_first_stop(out: dict, stops: Sequence[str]) -> dict:
+    """An unstreamed completion of llama-cpp-python cut where the first of its stop strings begins in the text, as
+    its stream and the parallel server cut it: where one token brought two (" commas" for ["a", "c"]) llama-cpp-python
+    cut at the first in the list's order (" ... with comm"), so the stream's pieces, joined, were not its text."""
+    for choice in out.get("choices", []):
+        text = choice.get("text")
+        if text and (cuts := [i for i in (text.find(s) for s in stops) if i >= 0]):
+            choice["text"] = text[: min(cuts)]
+    return out
+
+
 def completion_text(data: bytes) -> str:
     """The text of a completion's bytes as llama-cpp-python makes an unstreamed one: bytes that are no UTF-8 dropped
     (``errors="ignore"``), and an unfinished character at the end left out until its bytes are all in."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib
 import inspect
 import logging
@@ -162,6 +163,14 @@ def failures_said_by_caller():
 
 
 def _print_ggml_log(level: int, text: bytes, _user_data) -> None:
+    global _interrupt_lost
+    try:
+        _log(level, text)
+    except KeyboardInterrupt:  # (raised as it enters, ctypes reports it: ``_keep_lost_interrupt``)
+        _interrupt_lost = True
+
+
+def _log(level: int, text: bytes) -> None:
     global _last_log_level
     if level != GGML_LOG_CONT:
         _last_log_level = GGML_LOG_LEVELS.get(level, logging.ERROR)
@@ -180,7 +189,9 @@ _unraisable_hook = None  # the hook ``_keep_lost_interrupt`` passes everything e
 
 def _keep_lost_interrupt(unraisable) -> None:
     global _interrupt_lost
-    if unraisable.exc_type is KeyboardInterrupt and unraisable.object is _print_ggml_log:
+    # the callback is the report's object up to Python 3.12; from 3.13 it is named in its message only
+    ours = unraisable.object is _print_ggml_log or _print_ggml_log.__name__ in (unraisable.err_msg or "")
+    if unraisable.exc_type is KeyboardInterrupt and ours:
         _interrupt_lost = True
     elif _unraisable_hook is not None:
         _unraisable_hook(unraisable)
@@ -252,9 +263,15 @@ def bound_arguments(method: str, *args, **kwargs) -> inspect.BoundArguments:
     override reads by name (``arguments.get(name)``: None where the caller left it out), however the caller passed
     it (``response_format`` given by position skipped its translation, ``sample``'s ``idx`` by position was a
     TypeError). Upstream's TypeError for a call it would refuse."""
+    return _signature(method).bind(None, *args, **kwargs)
+
+
+@functools.cache
+def _signature(method: str) -> inspect.Signature:
+    """(once per method: ``sample`` binds at every sampled token, ~50 us a signature)"""
     import llama_cpp
 
-    return inspect.signature(getattr(llama_cpp.Llama, method)).bind(None, *args, **kwargs)
+    return inspect.signature(getattr(llama_cpp.Llama, method))
 
 
 def call_bound(f: Callable, bound: inspect.BoundArguments) -> Any:

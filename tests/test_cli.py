@@ -851,6 +851,10 @@ def test_serve_parallel_past_the_batch_or_llama_cpp_s_sequences_is_refused(fixtu
             "error: --parallel sizes its context by --budget and --parallel, and a request reaches the model's trained "
             "context: drop -c"
         ]
+    # AHAKV_CTX_SIZE, set for the other commands, is not refused (the next check, of the batch, speaks)
+    env = {**os.environ, "AHAKV_CTX_SIZE": "4096"}
+    proc = ahakv("serve", str(fixture_model), "--parallel", "2", "--budget", "128", "--batch-size", "1", env=env)
+    assert proc.returncode == 1 and proc.stderr.strip().startswith("error: --parallel 2 is more than the batch size 1")
 
 
 def test_an_environment_budget_or_worker_has_a_way_out(fixture_model, tmp_path):
@@ -1369,6 +1373,9 @@ def test_a_default_model_changed_since_its_stamp_is_hashed_again(tmp_path, monke
     assert models.default_model_path() == target and len(assembled) == 2
     assert json.loads(stamp.read_text())["mtime_ns"] == later + 10**9
     stamp.write_text(json.dumps({"sha256": pkg.EXPECTED_SHA256}))  # an earlier release's stamp
+    with monkeypatch.context() as m:  # in a cache it cannot write (read-only, another user's): used, stamp or not
+        m.setattr(models, "_write_stamp", lambda *a: (_ for _ in ()).throw(OSError(30, "Read-only file system")))
+        assert models.default_model_path() == target and len(assembled) == 2
     assert models.default_model_path() == target and len(assembled) == 2
     assert json.loads(stamp.read_text()) == {
         "sha256": pkg.EXPECTED_SHA256,

@@ -1010,6 +1010,33 @@ def test_a_stream_sends_the_text_the_completion_has_unstreamed(gemma_model):
                 assert all(c["choices"][0]["text"] for c in chunks[:-1])  # (no empty pieces before the last)
 
 
+def test_one_token_bringing_two_stop_strings_is_cut_at_the_first_in_the_text_streamed_or_not(fixture_model):
+    """llama-cpp-python cuts an unstreamed completion at the first of its stop strings in the list's order, its
+    stream (and the parallel server) at the first in the text: where one token brought both, the stream's pieces,
+    joined, were not the completion's text. Both cut at the first in the text now."""
+    with Llama(str(fixture_model), kv_budget=64, verbose=False) as llm:
+        pieces = {t: llm.detokenize([t]).decode(errors="ignore") for t in range(llm.n_vocab())}
+        token, piece = next((t, p) for t, p in pieces.items() if len(set(p)) >= 2)  # (" a" in the fixture's)
+        first, later = piece[0], next(c for c in piece if c != piece[0])
+        stop = [later, first]  # the later one listed first
+
+        def forced(ids, scores):
+            scores = np.full_like(scores, -1e9)
+            scores[token] = 0
+            return scores
+
+        kwargs = {
+            "max_tokens": 3,
+            "temperature": 0,
+            "stop": stop,
+            "logits_processor": llama_cpp.LogitsProcessorList([forced]),
+        }
+        whole = llm.create_completion("hello", **kwargs)["choices"][0]
+        llm.reset()
+        streamed = "".join(c["choices"][0]["text"] for c in llm.create_completion("hello", stream=True, **kwargs))
+        assert whole["text"] == streamed == "" and whole["finish_reason"] == "stop"
+
+
 def test_arguments_given_by_position_are_read_as_by_name(fixture_model):
     """The overrides read ``sample``'s ``idx`` and ``create_chat_completion``'s ``response_format`` by name alone:
     ``sample(..., idx)`` by position was a TypeError (llama_cpp.Llama takes it), and a json_schema format given by

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import subprocess
 import sys
 
@@ -267,9 +268,11 @@ print("vocabulary", e.n_vocab)
 said(lambda: e.detokenize([e.n_vocab]))
 v = e.view(1)
 v.decode([1, 2, 3])
+w = v.view(0)  # a view's view
 e.close()
-print("view closed:", v.closed)
+print("view closed:", v.closed, w.closed)
 said(lambda: v.reset_stats())
+said(lambda: w.reset_stats())
 said(lambda: Engine({str(fixture_model)!r}, EngineConfig(n_batch=-5)))
 said(lambda: EngineConfig(n_ubatch=0))
 """
@@ -279,7 +282,8 @@ said(lambda: EngineConfig(n_ubatch=0))
     n = int(lines.pop(0).split()[1])
     assert lines == [
         f"ValueError token id {n} is outside the model's vocabulary of {n} tokens",
-        "view closed: True",
+        "view closed: True True",
+        "ValueError this engine was closed: create a new one",
         "ValueError this engine was closed: create a new one",
         "ValueError n_batch must be a whole number of 1 or more, not -5",
         "ValueError n_ubatch must be a whole number of 1 or more, not 0",
@@ -299,11 +303,14 @@ def test_the_engine_refuses_what_would_leave_it_wrong_in_one_named_error(fixture
         assert e.n_past == 0  # refused before anything was decoded
         e.decode(list(range(1, 21)))
         live = e.live_positions()
-        for bad in ([9.99], np.array([2**32 + 5]), live == 12, [-1], [25]):
-            with pytest.raises(ValueError, match=r"^evict takes (whole numbers|positions 0 to 19) \(decoded so far\)"):
+        for bad, said in (([9.99], "as whole numbers, not [9.99]"), (live == 12, "as whole numbers, not [False"),
+                          (np.array([2**32 + 5]), f"decoded so far (0 to 19), not [{2**32 + 5}]"),
+                          ([1, 2, -1, 25], "decoded so far (0 to 19), not [-1, 25]")):  # fmt: skip
+            with pytest.raises(ValueError, match=rf"^evict takes positions {re.escape(said)}"):
                 e.evict(bad)
         np.testing.assert_array_equal(e.live_positions(), live)  # nothing went
         assert e.evict(np.array([3, 4], dtype=np.uint64)) == 2  # unsigned whole numbers are positions
+        assert EngineConfig(n_batch=np.int64(64)).n_batch == 64  # and numpy's integers are whole numbers
         e.evict([15, 16, 17])
         with pytest.raises(ValueError, match=r"cannot truncate to 17: position 16 was evicted .* holds, 14\)$"):
             e.truncate(17)

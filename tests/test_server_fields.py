@@ -205,6 +205,12 @@ def test_a_lone_surrogate_is_refused_by_field_on_both_servers(fixture_model, par
             assert status == 400 and message in out["error"]["message"], out
         status, out = call(base, "/v1/completions", {"prompt": "x \U0001f600", "max_tokens": 1, "stop": "\U0001f600"})
         assert status == 200, out  # (a whole pair is its character)
+        if not parallel:  # a dict's key too (a schema's property name was taken); --parallel refuses a format at all
+            schema = {"type": "object", "properties": {"\ud800": {"type": "string"}}}
+            fmt = {"type": "json_object", "schema": schema}
+            asked = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "response_format": fmt}
+            status, out = call(base, "/v1/chat/completions", asked)
+            assert status == 400 and "response_format holds '\\ud800'" in out["error"]["message"], out
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["one at a time", "parallel"])
