@@ -549,7 +549,10 @@ class Engine:
             raise DecodeError(f"cannot decode: {exc}") from None
         if self.n_past + len(tokens) > self.n_ctx_train:
             end = self.n_past + len(tokens)
-            raise AhakvError(f"position {end} is past the model's trained context {self.n_ctx_train}")
+            # (it named position end, one past the last it was asked to decode)
+            raise AhakvError(
+                f"position {end - 1} is past the model's trained context (positions 0 to {self.n_ctx_train - 1})"
+            )
         rows = []
         for start in range(0, len(tokens), self.config.n_batch):
             chunk = list(tokens[start : start + self.config.n_batch])
@@ -860,7 +863,9 @@ def decode_batch(views: Sequence[Engine], tokens: Sequence[int]) -> np.ndarray:
         raise ValueError(f"{len(views)} sequences do not fit a batch of {e.config.n_batch} tokens")
     for v in views:
         if v.n_past + 1 > v.n_ctx_train:
-            raise AhakvError(f"position {v.n_past + 1} is past the model's trained context {v.n_ctx_train}")
+            raise AhakvError(
+                f"position {v.n_past} is past the model's trained context (positions 0 to {v.n_ctx_train - 1})"
+            )
     try:
         tokens = e.token_ids(tokens)
     except ValueError as exc:

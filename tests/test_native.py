@@ -328,3 +328,21 @@ def test_the_engine_refuses_what_would_leave_it_wrong_in_one_named_error(fixture
             e.stats("foo")
     with pytest.raises(AhakvError, match=r"^a budget's mode is one of cells, ratio, auto, none, bytes, not 'bogus'$"):
         Budget("bogus", 3)
+
+
+def test_a_position_past_the_trained_context_is_named_as_it_is():
+    """The refusal named the position one past the one refused ("position 257 is past the model's trained context 256"
+    for position 256, the 257th)."""
+    from ahakv_local.engine import decode_batch
+    from ahakv_local.fixture import FixtureSpec
+    from ahakv_local.models import fixture_path
+
+    path = fixture_path(FixtureSpec(n_ctx_train=64))
+    with Engine(str(path), EngineConfig(n_ctx=64, n_batch=64, n_ubatch=64, n_threads=1)) as e:
+        e.decode(list(range(1, 61)))
+        refused = r"^position 64 is past the model's trained context \(positions 0 to 63\)$"
+        with pytest.raises(AhakvError, match=refused):
+            e.decode(list(range(1, 6)))  # positions 60 to 64
+        e.decode([1, 2, 3, 4])  # positions 60 to 63: the last there is
+        with pytest.raises(AhakvError, match=refused):
+            decode_batch([e], [5])
