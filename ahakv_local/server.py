@@ -1050,7 +1050,7 @@ def run_server(app: FastAPI, sock: socket.socket) -> None:
 
 class CancelledAtStop(logging.Filter):
     """Drops uvicorn's "Exception in ASGI application" for a request it cancelled at a stop signal (GRACE_S after it):
-    a client that had sent half a request body left 60 lines of traceback behind a clean exit. uvicorn's one line
+    a client that had sent half a request body left a traceback behind a clean exit. uvicorn's one line
     saying it cancelled the request stays."""
 
     def __init__(self, stopping: threading.Event):

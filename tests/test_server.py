@@ -605,7 +605,7 @@ def test_sigterm_while_a_prompt_chunk_is_read_answers_503_in_json(gemma_model, l
 
 def test_sigterm_with_half_a_request_sent_stops_without_a_traceback(fixture_model):
     """A client that had sent half a request body when the server was told to stop: uvicorn cancelled the request
-    (waiting for the rest of its body) GRACE_S later and logged "Exception in ASGI application", 60 lines of
+    (waiting for the rest of its body) GRACE_S later and logged "Exception in ASGI application", a
     traceback ending in CancelledError, behind an otherwise clean exit. Its one line saying it cancelled stays."""
     proc, base = start_server(fixture_model, grace_s=0.5)
     host, port = base.removeprefix("http://").split(":")
