@@ -1072,8 +1072,10 @@ def test_under_a_budget_logprobs_are_refused_and_a_failed_decode_is_a_runtime_er
     with Llama(str(fixture_model), kv_budget=64, kv_query=False, verbose=False) as llm:
         with pytest.raises(ValueError, match="logprobs need every prompt token's logits .* without kv_budget"):
             llm.create_completion("the cat", max_tokens=2, logprobs=1)
-        with pytest.raises(RuntimeError, match="llama_decode failed"):
-            llm.eval([1, 5, 10**6])  # a token id outside the vocabulary
+        # a token id outside the vocabulary: refused before llama_decode, which failed on it ("llama_decode failed
+        # with code -1"), by name, a RuntimeError still
+        with pytest.raises(RuntimeError, match=r"cannot decode: token id 1000000 is outside the model's vocabulary"):
+            llm.eval([1, 5, 10**6])
         llm.reset()
         again = llm("the cat", max_tokens=4, temperature=0)["choices"][0]["text"]
     with Llama(str(fixture_model), kv_budget=64, kv_query=False, verbose=False) as fresh:
