@@ -470,11 +470,12 @@ class Engine:
                 obj.close()
                 setattr(self, owner, CLOSED)  # (None: every later call an AttributeError on 'NoneType')
         for view in list(self.__dict__.get("_views", ())):  # (they held the freed handles: a view's next call crashed)
-            view._model = view._ctx = view._batch = CLOSED
+            view.detach(CLOSED)
         self._rpc = None  # the workers' connections closed with the model: a new model checks them again
 
     def detach(self, stand_in) -> None:
-        """An attached engine whose owner freed the model and context: ``stand_in`` answers every later call."""
+        """An engine whose model and context were freed by their owner (its Llama, or the engine it is a view of):
+        ``stand_in`` answers every later call."""
         self._model = self._ctx = self._batch = stand_in
 
     @property

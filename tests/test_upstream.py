@@ -193,6 +193,8 @@ class Tripwire:
     def flush(self):
         self.real.flush()
 
+# (Python takes no SIGINT where the parent ignores it, as a shell does for a command it runs in the background)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 path = {str(fixture_model)!r}
 for name, load in (("drop-in", lambda: Llama(path, n_ctx=64, verbose=True)),
                    ("engine", lambda: Engine(path, EngineConfig(n_ctx=64, verbose=True)))):
