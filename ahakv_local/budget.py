@@ -21,7 +21,8 @@ from typing import Literal, get_args
 
 from .errors import AhakvError
 
-BUDGET_MODES = ("cells", "ratio", "auto", "none", "bytes")
+BudgetMode = Literal["cells", "ratio", "auto", "none", "bytes"]
+BUDGET_MODES = get_args(BudgetMode)
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Budget:
     """How many cells to keep: a fixed count, a fraction of the tokens seen, ``auto`` (decided by the
     policy's error model), or ``none`` (keep everything: ``NO_EVICTION``)."""
 
-    mode: Literal["cells", "ratio", "auto", "none", "bytes"]
+    mode: BudgetMode
     value: float = 0.0
     min_ratio: float = 0.10  # auto: never keep less than this fraction of the tokens seen
     max_ratio: float = 0.40  # auto: never keep more

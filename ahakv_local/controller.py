@@ -44,11 +44,11 @@ from .budget import (
     default_evict_every,
     holding_of,
 )
-from .engine import Engine, decode_batch, whole_number
+from .engine import Engine, decode_batch
 from .errors import AhakvError
 from .groups import LayerGroup, make_groups
 from .native import TapFlag
-from .policies import Observation, Policy
+from .policies import KINDS, Observation, Policy
 from .policies.base import avg_pool, unit_mean
 from .words import WordMap, max_by_word, not_space
 
@@ -432,7 +432,7 @@ class KVController:
         n_ubatch = self.engine.config.n_ubatch
         if chunk is None:
             return n_ubatch
-        if not whole_number(chunk) or not 0 < chunk <= n_ubatch:
+        if not KINDS["int"](chunk) or not 0 < chunk <= n_ubatch:
             raise ValueError(f"a prompt chunk is 1 to {n_ubatch} tokens (the engine's n_ubatch), not {chunk!r}")
         return int(chunk)
 

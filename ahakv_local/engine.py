@@ -36,6 +36,7 @@ from .budget import CacheLayout
 from .errors import AhakvError, DecodeError
 from .info import KV_TYPES, check_kv_cache_type, check_kv_types, read_info
 from .native import MAX_THREADS, EvictError, TapFlag, lib
+from .policies import KINDS
 
 SEQ = 0  # the sequence of an engine made for one (a view has its own)
 
@@ -54,15 +55,6 @@ def kv_type_params(kv_type: str, flash_attn: bool | None = None) -> dict:
     if kv_type != "f16" and flash_attn is False:
         raise AhakvError(f"a {kv_type} KV cache needs flash attention: drop flash_attn=False")
     return kv_type_config(kv_type) | {"type_k": _GGML_TYPES[kv_type], "type_v": _GGML_TYPES[kv_type]}
-
-
-def whole_number(value) -> bool:
-    """Whether ``value`` is an integer (numpy's too), not a bool."""
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return not isinstance(value, bool)
 
 
 def default_threads() -> int:
@@ -123,7 +115,7 @@ class EngineConfig:
         # (n_batch -5 crashed the process in llama_batch_init; an n_ubatch of 0 opened, then failed every decode)
         for name in ("n_batch", "n_ubatch", "n_seq"):
             value = getattr(self, name)
-            if not whole_number(value) or value < 1:
+            if not KINDS["int"](value) or value < 1:
                 raise ValueError(f"{name} must be a whole number of 1 or more, not {value!r}")
             object.__setattr__(self, name, int(value))  # (numpy's integers too)
 
@@ -528,6 +520,14 @@ class Engine:
                 raise ValueError(f"token id {t} is outside the model's vocabulary of {self.n_vocab} tokens")
         return ids
 
+    def _decodable(self, tokens: Sequence[int]) -> list[int]:
+        """``token_ids`` for a decode: a DecodeError, a RuntimeError too, as llama_cpp.Llama's failed decode of such
+        an id is."""
+        try:
+            return self.token_ids(tokens)
+        except ValueError as exc:
+            raise DecodeError(f"cannot decode: {exc}") from None
+
     def chat_prompt(self, messages: list[dict]) -> tuple[list[int], list[str]]:
         """(tokens, stop strings) of chat ``messages`` with the model's own template (``upstream.chat_prompt``)."""
         return upstream.chat_prompt(self._model, messages)
@@ -544,10 +544,7 @@ class Engine:
         llama_cpp = self._llama_cpp
         if not len(tokens):  # (len: a numpy array's truth value is ambiguous)
             raise ValueError("decode needs at least one token")
-        try:
-            tokens = self.token_ids(tokens)
-        except ValueError as exc:  # a RuntimeError too, as llama_cpp.Llama's failed decode of such an id
-            raise DecodeError(f"cannot decode: {exc}") from None
+        tokens = self._decodable(tokens)
         if self.n_past + len(tokens) > self.n_ctx_train:
             end = self.n_past + len(tokens)
             # (it named position end, one past the last it was asked to decode)
@@ -867,10 +864,7 @@ def decode_batch(views: Sequence[Engine], tokens: Sequence[int]) -> np.ndarray:
             raise AhakvError(
                 f"position {v.n_past} is past the model's trained context (positions 0 to {v.n_ctx_train - 1})"
             )
-    try:
-        tokens = e.token_ids(tokens)
-    except ValueError as exc:
-        raise DecodeError(f"cannot decode: {exc}") from None
+    tokens = e._decodable(tokens)
     e._fill([(t, v.n_past, v.seq, True) for v, t in zip(views, tokens, strict=True)])
     e._run_batch()
     llama_cpp = e._llama_cpp

@@ -51,8 +51,9 @@ def default_model_path(progress: bool = False) -> Path:
     stamp = target.with_suffix(".ok")
     chunks = pkg.chunk_paths()
     size = sum(p.stat().st_size for p in chunks if p.exists())
-    if target.exists() and target.stat().st_size == size and _stamped(stamp) == pkg.EXPECTED_SHA256:
-        if _stamp_of(target, pkg.EXPECTED_SHA256) == _read_stamp(stamp):
+    said = _read_stamp(stamp)
+    if target.exists() and target.stat().st_size == size and said and said.get("sha256") == pkg.EXPECTED_SHA256:
+        if said == _stamp_of(target, pkg.EXPECTED_SHA256):
             return target
         # written to since it was stamped (a copy over it, a tool that edits in place: the same size answered
         # garbage), or stamped before stamps held the file's time: hashed once, then stamped again or re-assembled
@@ -90,19 +91,13 @@ def _write_stamp(stamp: Path, target: Path, sha256: str) -> None:
 
 
 def _read_stamp(stamp: Path) -> dict | None:
-    """A stamp's contents; None where there is none to read (missing, cut short, not ours)."""
+    """A stamp's contents; None where there is none to read (missing, cut short, not ours): the model is then
+    assembled again, as on first use."""
     try:
         said = json.loads(stamp.read_text(encoding="utf-8"))
     except (OSError, ValueError):  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
         return None
     return said if isinstance(said, dict) else None
-
-
-def _stamped(stamp: Path) -> str | None:
-    """The sha256 a stamp says the assembled model has; None where there is none (the model is then assembled again,
-    as on first use)."""
-    said = _read_stamp(stamp)
-    return said.get("sha256") if said is not None else None
 
 
 def fixture_path(spec: FixtureSpec | None = None) -> Path:

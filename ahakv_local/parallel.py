@@ -23,7 +23,7 @@ from .engine import Engine
 from .errors import AhakvError
 from .policies import Policy, make_policy
 from .session import SessionSpec, guide_of
-from .stream_text import completion_text, ready_text
+from .stream_text import completion_text, first_stop, ready_text
 from .textfile import last_paragraph
 
 TOP_K = 40  # llama-cpp-python's default for completions
@@ -196,9 +196,8 @@ class SequencePool:
         gen.tokens.append(token)
         self._counts[seq][token] += 1
         text = self._text(gen)
-        ready = ready_text(text, gen.sampling.stop)
-        if any(s in text for s in gen.sampling.stop if s):
-            self._finish(seq, ready[gen.sent :], "stop")
+        if (cut := first_stop(text, gen.sampling.stop)) >= 0:
+            self._finish(seq, text[gen.sent : cut], "stop")
             return
         # at max_tokens, or where prompt and tokens fill the trained context, as llama-cpp-python cuts max_tokens (past
         # it, the batch's llama_decode failed, and every sequence in the batch with an error)
@@ -207,6 +206,7 @@ class SequencePool:
             return
         # hold back what could begin a stop string (the text's longest end that begins one; an unfinished UTF-8
         # character is not in the text yet: the "a" of a stop string "a𓀀" went out before its character was whole)
+        ready = ready_text(text, gen.sampling.stop)
         if len(ready) > gen.sent:
             gen.emit(ready[gen.sent :], None)
             gen.sent = len(ready)

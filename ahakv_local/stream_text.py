@@ -24,9 +24,8 @@ def cut_at_first_stop(out: dict, stops: Sequence[str]) -> dict:
     its stream and the parallel server cut it: where one token brought two (" commas" for ["a", "c"]) llama-cpp-python
     cut at the first in the list's order (" ... with comm"), so the stream's pieces, joined, were not its text."""
     for choice in out.get("choices", []):
-        text = choice.get("text")
-        if text and (cuts := [i for i in (text.find(s) for s in stops) if i >= 0]):
-            choice["text"] = text[: min(cuts)]
+        if choice.get("text"):
+            choice["text"] = ready_text(choice["text"], stops, end=True)
     return out
 
 
@@ -43,10 +42,14 @@ def stop_prefix(text: str, stops: Sequence[str]) -> int:
     return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
 
 
+def first_stop(text: str, stops: Sequence[str]) -> int:
+    """Where the first of the stop strings in ``text`` begins (-1: none is)."""
+    return min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+
+
 def ready_text(text: str, stops: Sequence[str], end: bool = False) -> str:
     """What of ``text`` a stream may send now: up to the first stop string in it, else all but an end that could begin
     one (at the ``end`` of the stream, all)."""
-    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
-    if cut >= 0:
+    if (cut := first_stop(text, stops)) >= 0:
         return text[:cut]
     return text if end else text[: len(text) - stop_prefix(text, stops)]
