@@ -152,6 +152,49 @@ def test_side_pass_from_q_and_k(gemma_model, prompt_tokens, flash_attn):
                 assert (err <= bound + 1e-12).all(), f"side s={scale} fa={flash_attn} layer {il}: {worst:.2f}x bound"
 
 
+def test_flash_attention_verr_over_a_window_of_rows(gemma_model, prompt_tokens):
+    """VERR under flash attention over AhaKV's 32-row window, as a prompt is read: V stays F16 in the cache, and v.o
+    is one product of V with o's hi and lo halves (patch 0004), whose F32 accumulation patch 0026 asks for on the
+    product itself (the flag sat on the ADD of the halves, where ggml ignores it, and CUDA's cuBLAS summed an F16 V's
+    products in F16 once they had more than 8 columns). Numpy from the run's own Q, K and V and the flash kernel's
+    head outputs: sum over the window rows t of a_tj ||v_j - o_t||."""
+    n, window = 100, 32  # one ubatch; the window's rows see 69..100 positions (every sliding layer: all of them)
+    cap = Capture(("Qcur-", "Kcur-", "Vcur-", "kqv_out-"), ops=QKV_OPS)
+    with make_engine(gemma_model, cap, flash_attn=True) as e:
+        e.set_tap(ALL, window)
+        e.set_side_scale(1.0)
+        e.decode(prompt_tokens[:n])
+        assert e.stat_rows == window
+        hd, n_head = e.head_dim, e.n_head
+        rows = np.arange(n - window, n)
+        seen = np.arange(n)[None, :] <= rows[:, None]  # [window, n]: causal
+        for il in range(e.n_layer):
+            # a: the side pass at scale 1 (patch 0009), its q rounded to F16 against the F16 K as the CPU's mul_mat
+            # does; the products exact in F32, their sum over hd within sum_rtol(hd) of sum |q||k| (a device may keep
+            # q in F32: DEVICE_OPERAND), which moves p_j by <= 2 p_j max |dlogit|, and n F32 for the normalization
+            q = cap.tokens(f"Qcur-{il}")[rows] * np.float32(1.0 / np.sqrt(hd))  # Gemma 3 pre-scales Q by 1/16
+            q = q.astype(np.float16).astype(np.float64)  # [window, n_head, hd]
+            k = cap.tokens(f"Kcur-{il}")[:, 0, :].astype(np.float16).astype(np.float64)  # [n, hd]: one KV head
+            v = cap.tokens(f"Vcur-{il}")[:, 0, :].astype(np.float16).astype(np.float64)
+            logits = np.where(seen[:, None, :], np.einsum("thd,jd->thj", q, k), -np.inf)
+            p = np.exp(logits - logits.max(axis=2, keepdims=True))
+            p /= p.sum(axis=2, keepdims=True)  # [window, n_head, n]
+            dlogit = (sum_rtol(hd) + DEVICE_OPERAND) * np.einsum("thd,jd->thj", np.abs(q), np.abs(k))
+            dlogit = np.where(seen[:, None, :], dlogit, 0.0).max(axis=2, keepdims=True)
+            p_err = p * (2 * dlogit + sum_rtol(n))
+            # o_t as the flash kernel gave it to the tap (the same node the model reads on), d_tj = ||v_j - o_t||
+            o = np.concatenate([a.reshape(-1, n_head, hd) for a in cap.tensors[f"kqv_out-{il}"]])
+            o = o[rows].astype(np.float64)  # [window, n_head, hd]
+            dist = np.linalg.norm(v[None, None, :, :] - o[:, :, None, :], axis=-1)  # [window, n_head, n]
+            # the graph's F32 cancellation in ||v||^2 - 2 v.o + ||o||^2 (tests/numerics.py): v.o summed in F32,
+            # o's lo half rounded to F16 by the product costing 2^-22 of |o|, far below it
+            d_err = distance_rounding(np.linalg.norm(v, axis=1), np.linalg.norm(o, axis=2)[..., None], dist, hd)
+            expected = (p * dist).sum(axis=0)  # [n_head, n]
+            bound = (p_err * dist + (p + p_err) * d_err).sum(axis=0) + (sum_rtol(window) + sum_rtol(2)) * expected
+            err = np.abs(e.stat("verr", il).values - expected)
+            assert (err <= bound + 1e-12).all(), f"verr layer {il}: {(err / (bound + 1e-12)).max():.2f}x bound"
+
+
 def test_eviction_on_both_caches(gemma_model, prompt_tokens):
     rng = np.random.default_rng(1)
     cap = Capture(())
