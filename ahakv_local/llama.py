@@ -697,7 +697,7 @@ class Llama(llama_cpp.Llama):
         guide = self._kv_guide  # this request's (set by its call; a later call may have set its own since)
         completion = super()._create_completion(*args, **kwargs)
         call = upstream.bound_arguments("_create_completion", *args, **kwargs).arguments
-        stops = stop_strings(call.get("stop"))
+        stops = stop_strings(call.get("stop"), keep_empty=True)  # (upstream's: "" stops at once, streamed too)
         if call.get("stream") and call.get("logprobs") is None and not call.get("echo"):
             # (a stream with log probabilities or the prompt echoed stays upstream's: each chunk's offsets are its own)
             completion = self._restreamed(completion, stops)

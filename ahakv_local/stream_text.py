@@ -13,10 +13,11 @@ import codecs
 from collections.abc import Sequence
 
 
-def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
-    """A request's stop strings, the empty one left out: every text contains it, so llama-cpp-python answered nothing
-    at once (``"stop": [""]``), and the --parallel server took ``"stop": ""`` as none. Both servers now ignore it."""
-    return [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
+def stop_strings(stop: str | Sequence[str] | None, keep_empty: bool = False) -> list[str]:
+    """A request's stop strings. The empty one is in every text: llama-cpp-python answers nothing at once, and the
+    --parallel server took ``"stop": ""`` as none; both servers leave it out. The drop-in keeps it (``keep_empty``):
+    it is llama_cpp.Llama, whose stream and unstreamed text then say nothing, as its own do."""
+    return [s for s in ([stop] if isinstance(stop, str) else stop or []) if s or keep_empty]
 
 
 def cut_at_first_stop(out: dict, stops: Sequence[str]) -> dict:
@@ -43,8 +44,8 @@ def stop_prefix(text: str, stops: Sequence[str]) -> int:
 
 
 def first_stop(text: str, stops: Sequence[str]) -> int:
-    """Where the first of the stop strings in ``text`` begins (-1: none is)."""
-    return min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+    """Where the first of the stop strings in ``text`` begins (-1: none is; 0 for the empty one, as in Python)."""
+    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
 
 
 def ready_text(text: str, stops: Sequence[str], end: bool = False) -> str:

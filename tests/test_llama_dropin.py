@@ -1037,6 +1037,28 @@ def test_one_token_bringing_two_stop_strings_is_cut_at_the_first_in_the_text_str
         assert whole["text"] == streamed == "" and whole["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("budget", [None, 64])
+def test_an_empty_stop_string_stops_at_once_streamed_or_not(gemma_model, budget):
+    """An empty stop string is in every text: llama_cpp.Llama answers "" at once, streamed or not. The drop-in's
+    stream left it out of the stops it cut by (as the servers do) and sent the first token's text before the stop
+    (Gemma's ","; the fixture's first token is held back by upstream's stream, which hid it); unstreamed it said "",
+    as upstream."""
+    kwargs = {"max_tokens": 8, "temperature": 0}
+    stock = llama_cpp.Llama(str(gemma_model), n_ctx=256, verbose=False)  # (no context manager in 0.3.36)
+    try:
+        for stop in ("", [""], ["zzz", ""]):
+            assert stock.create_completion("hello", stop=stop, **kwargs)["choices"][0]["text"] == ""
+    finally:
+        stock.close()
+    with Llama(str(gemma_model), n_ctx=256, kv_budget=budget, verbose=False) as llm:
+        assert llm.create_completion("hello", **kwargs)["choices"][0]["text"] != ""  # (something to stop)
+        for stop in ("", [""], ["zzz", ""]):
+            whole = llm.create_completion("hello", stop=stop, **kwargs)["choices"][0]
+            chunks = [c["choices"][0] for c in llm.create_completion("hello", stop=stop, stream=True, **kwargs)]
+            assert (whole["text"], whole["finish_reason"]) == ("", "stop"), stop
+            assert "".join(c["text"] for c in chunks) == "" and chunks[-1]["finish_reason"] == "stop", (stop, chunks)
+
+
 def test_arguments_given_by_position_are_read_as_by_name(fixture_model):
     """The overrides read ``sample``'s ``idx`` and ``create_chat_completion``'s ``response_format`` by name alone:
     ``sample(..., idx)`` by position was a TypeError (llama_cpp.Llama takes it), and a json_schema format given by
