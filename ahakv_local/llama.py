@@ -114,14 +114,16 @@ def available_memory() -> int | None:
 
 def llama_response_format(response_format: dict) -> dict:
     """OpenAI's ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` as llama-cpp-python's
-    ``{"type": "json_object", "schema": {...}}``, whose grammar it samples under; any other format as it is. A schema
-    its grammar cannot be made from is a ValueError: llama-cpp-python sampled any JSON in its place, without a word
-    (a ``pattern`` without ``^...$``, an unknown type, a ``$ref`` it cannot resolve)."""
+    ``{"type": "json_object", "schema": {...}}``, whose grammar it samples under; without a ``schema`` (OpenAI's is
+    optional) as ``json_object``, any JSON object (it was refused); any other format as it is. A schema its grammar
+    cannot be made from is a ValueError: llama-cpp-python sampled any JSON in its place, without a word (a
+    ``pattern`` without ``^...$``, an unknown type, a ``$ref`` it cannot resolve)."""
     if response_format.get("type") == "json_schema":
-        schema = (response_format.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, dict):
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(spec, dict) or not isinstance(schema, dict | None):
             raise ValueError('response_format of type json_schema needs "json_schema": {"name": ..., "schema": {...}}')
-        response_format = {"type": "json_object", "schema": schema}
+        response_format = {"type": "json_object"} | ({} if schema is None else {"schema": schema})
     if response_format.get("type") == "json_object" and "schema" in response_format:
         try:
             json_schema_to_gbnf(json.dumps(response_format["schema"]))

@@ -271,7 +271,7 @@ class Message(BaseModel):
 class JsonSchema(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
     name: str | None = None
-    schema_: dict = Field(alias="schema")
+    schema_: dict | None = Field(None, alias="schema")  # optional, as OpenAI's: without it any JSON object
 
 
 class ResponseFormat(BaseModel):

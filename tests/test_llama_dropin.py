@@ -216,8 +216,16 @@ def test_openais_json_schema_format_is_sampled_as_json_of_the_schema(gemma_model
         out = llm.create_chat_completion(messages, max_tokens=60, temperature=0, response_format=fmt)
         answer = json.loads(out["choices"][0]["message"]["content"])
         assert isinstance(answer["city"], str) and isinstance(answer["year"], int)
-        with pytest.raises(ValueError, match="needs"):  # no schema to sample under
+        with pytest.raises(ValueError, match="needs"):  # no "json_schema" to sample under
             llm.create_chat_completion(messages, max_tokens=2, response_format={"type": "json_schema"})
+        # OpenAI's "schema" is optional: without one, any JSON object, as json_object samples it (it was refused)
+        named = {"type": "json_schema", "json_schema": {"name": "place"}}
+        anything = llm.create_chat_completion(messages, max_tokens=30, temperature=0, response_format=named)
+        json_object = llm.create_chat_completion(
+            messages, max_tokens=30, temperature=0, response_format={"type": "json_object"}
+        )
+        assert anything["choices"][0]["message"] == json_object["choices"][0]["message"]
+        assert anything["choices"][0]["message"]["content"].lstrip().startswith("{")
         # one llama-cpp-python's grammar cannot be made from (a pattern without ^...$): it sampled any JSON instead
         code = {"type": "object", "properties": {"code": {"type": "string", "pattern": "[A-Z]{3}"}}}
         for fmt in (
@@ -1062,7 +1070,8 @@ def test_an_empty_stop_string_stops_at_once_streamed_or_not(gemma_model, budget)
 def test_arguments_given_by_position_are_read_as_by_name(fixture_model):
     """The overrides read ``sample``'s ``idx`` and ``create_chat_completion``'s ``response_format`` by name alone:
     ``sample(..., idx)`` by position was a TypeError (llama_cpp.Llama takes it), and a json_schema format given by
-    position skipped its translation (the answer came in prose, where by name it is refused for want of a schema)."""
+    position skipped its translation (the answer came in prose, where by name it is refused for want of its
+    "json_schema")."""
     import inspect
 
     def positional(method: str, **given) -> list:
@@ -1078,7 +1087,7 @@ def test_arguments_given_by_position_are_read_as_by_name(fixture_model):
         with pytest.raises(ValueError, match=r"sample\(idx=0\): llama.cpp holds the logits of the last token only"):
             llm.sample(*positional("sample", idx=0))
         messages = [{"role": "user", "content": "hello"}]
-        fmt = {"type": "json_schema", "json_schema": {"name": "x"}}  # no schema: refused, however given
+        fmt = {"type": "json_schema"}  # no "json_schema": refused, however given
         for args, kwargs in (
             ((), {"response_format": fmt}),
             (positional("create_chat_completion", response_format=fmt)[1:], {}),
