@@ -34,11 +34,22 @@ def assert_close(actual, expected, rtol, what):
     assert err < rtol, f"{what}: max relative error {err:.2e} >= {rtol:.0e}"
 
 
-def make_engine(path, cap: Capture, flash_attn=False) -> Engine:
+def make_engine(path, cap: Capture, flash_attn=False, kv_type: str = "f16") -> Engine:
     config = EngineConfig(
-        n_ctx=1024, n_batch=512, n_ubatch=N_UBATCH, flash_attn=flash_attn, n_gpu_layers=device.N_GPU_LAYERS
-    )
+        n_ctx=1024, n_batch=512, n_ubatch=N_UBATCH, flash_attn=flash_attn, n_gpu_layers=device.N_GPU_LAYERS,
+        type_k=kv_type, type_v=kv_type,
+    )  # fmt: skip
     return Engine(path, config, cb_eval=cap.callback)
+
+
+def as_cached(x: np.ndarray, kv_type: str) -> np.ndarray:
+    """``x`` (F32) as an F16 or BF16 cache holds it, in float64: ggml rounds F32 to BF16 to the nearest, ties to
+    even (its top 16 bits)."""
+    if kv_type == "f16":
+        return x.astype(np.float16).astype(np.float64)
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
 def softmax_column_sums(cap: Capture, il: int, first_row: int, n_pos: int) -> np.ndarray:
@@ -89,10 +100,12 @@ def test_prompt_tap_equals_model_softmax(gemma_model, prompt_tokens, window):
             assert_close(e.stat("vnorm", il).values, ref, norm_rtol(v16.shape[-1]), f"vnorm {il}")
 
 
-@pytest.mark.parametrize("prompt", [100, PROMPT])  # 100: the KV window (256 cells) equals the head size
-def test_decode_tap_and_reconstruction_term(gemma_model, prompt_tokens, prompt):
+# 100: the KV window (256 cells) equals the head size. A BF16 cache: its transposed V converted to F32 in one copy
+# (patch 0026; it was copied in BF16, then converted)
+@pytest.mark.parametrize("prompt, kv_type", [(100, "f16"), (PROMPT, "f16"), (100, "bf16")])
+def test_decode_tap_and_reconstruction_term(gemma_model, prompt_tokens, prompt, kv_type):
     cap = Capture(("kq_soft_max-", "kqv-", "Vcur-"), ops=QKV_OPS)
-    with make_engine(gemma_model, cap) as e:
+    with make_engine(gemma_model, cap, kv_type=kv_type) as e:
         e.set_tap(ALL, 1)
         e.decode(prompt_tokens[:prompt])
         for t in range(prompt, prompt + 3):
@@ -104,9 +117,9 @@ def test_decode_tap_and_reconstruction_term(gemma_model, prompt_tokens, prompt):
             p = cap.tensors[f"kq_soft_max-{il}"][-1][0, :, 0, :n]  # [n_head, n]: the last query row
             # one row: the tap copies the model's F32 probabilities (exactly, up to one addition to zero)
             assert_close(e.stat("attn", il).values, p, F32, f"decode attn layer {il}")
-            # a * ||v - o|| from the cache's F16 values of v and the model's own head outputs o
+            # a * ||v - o|| from the values of v as the cache holds them and the model's own head outputs o
             o = cap.tensors[f"kqv-{il}"][-1][0, :, 0, :].astype(np.float64)  # [n_head, hd]
-            v = cap.tokens(f"Vcur-{il}").astype(np.float16).astype(np.float64)  # [n, n_head_kv, hd]
+            v = as_cached(cap.tokens(f"Vcur-{il}"), kv_type)  # [n, n_head_kv, hd]
             assert v.shape[0] == n
             v_rep = np.repeat(v, r, axis=1)  # [n, n_head, hd]
             dist = np.linalg.norm(v_rep - o[None], axis=-1).T  # [n_head, n]
