@@ -56,7 +56,9 @@ try:
     llm = Llama(str(default_model_path(progress=True)), kv_budget=args.budget, n_batch=64, verbose=False)
 except AhakvError as exc:  # a budget the model cannot use (0, below the protected positions, ...)
     parser.error(str(exc))
-out = llm.create_completion(prompt, kv_query=QUESTION, max_tokens=8, temperature=0)
+# room for the whole key and a token either side (8 tokens cut a key of 8 digits, one token each on Gemma, to 7)
+room = len(llm.tokenize(f" {args.key}.".encode(), add_bos=False)) + 2
+out = llm.create_completion(prompt, kv_query=QUESTION, max_tokens=room, temperature=0)
 answer = out["choices"][0]["text"].strip()
 found = re.search(r"\d+", answer)  # the first number of the answer, whole ("714320" does not name 71432)
 correct = found is not None and found.group(0) == args.key
