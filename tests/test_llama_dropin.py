@@ -218,6 +218,9 @@ def test_openais_json_schema_format_is_sampled_as_json_of_the_schema(gemma_model
         assert isinstance(answer["city"], str) and isinstance(answer["year"], int)
         with pytest.raises(ValueError, match="needs"):  # no "json_schema" to sample under
             llm.create_chat_completion(messages, max_tokens=2, response_format={"type": "json_schema"})
+        with pytest.raises(ValueError, match=r"schema is a JSON Schema object, not 5$"):
+            bad = {"type": "json_schema", "json_schema": {"name": "n", "schema": 5}}
+            llm.create_chat_completion(messages, max_tokens=2, response_format=bad)
         # OpenAI's "schema" is optional: without one, any JSON object, as json_object samples it (it was refused)
         named = {"type": "json_schema", "json_schema": {"name": "place"}}
         anything = llm.create_chat_completion(messages, max_tokens=30, temperature=0, response_format=named)
