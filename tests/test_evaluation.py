@@ -376,6 +376,21 @@ def test_a_report_removes_only_the_figures_a_report_of_ours_wrote(tmp_path):
         assert json.loads((out / "results.json").read_text())["config"]["figure"] == "long_run.png"
 
 
+def test_a_report_s_csv_writes_a_nul_escaped(tmp_path):
+    """A random fixture's needle answer held a NUL: Python 3.10's csv refused it ("need to escape, but no escapechar
+    set") and eval needle ended in a traceback there (3.11 wrote it raw). The CSV says \\x00; the JSON keeps the
+    text as it was."""
+    import csv
+
+    from ahakv_local.report import _write
+
+    rows = [{"label": "a", "answer": "x\0y", "ok": 1}]
+    _write(tmp_path, {"patch_sha256": "x"}, rows, ["label", "answer", "ok"], ["# x"])
+    with (tmp_path / "results.csv").open(newline="") as f:
+        assert list(csv.DictReader(f)) == [{"label": "a", "answer": "x\\x00y", "ok": "1"}]
+    assert json.loads((tmp_path / "results.json").read_text())["results"] == rows
+
+
 def test_a_report_replaces_its_files_whole_and_never_writes_through_a_link(tmp_path, monkeypatch):
     """A report's files are written beside themselves and renamed over (``atomic.replaced``): a link left in the
     folder is replaced, not written through (a user's notes were overwritten with the CSV), and a run that fails
