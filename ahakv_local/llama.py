@@ -120,12 +120,12 @@ def llama_response_format(response_format: dict) -> dict:
     ``pattern`` without ``^...$``, an unknown type, a ``$ref`` it cannot resolve)."""
     if response_format.get("type") == "json_schema":
         spec = response_format.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(spec, dict):
             raise ValueError(
                 'response_format of type json_schema needs "json_schema": {"name": ..., "schema": {...}} (the schema '
                 "optional: without it any JSON object)"
             )
+        schema = spec.get("schema")
         if not isinstance(schema, dict | None):
             raise ValueError(f"response_format's json_schema schema is a JSON Schema object, not {schema!r}")
         response_format = {"type": "json_object"} | ({} if schema is None else {"schema": schema})
